@@ -1,0 +1,19 @@
+"""Full cache: every past token is kept and attended. The reference every method must equal when its
+budget covers the whole context."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from icecache.kv import KVMethod
+
+
+@dataclass
+class FullCache(KVMethod):
+    """Keeps the whole KV cache resident. ``budget`` is ignored (logged as ``None``)."""
+
+    name: ClassVar[str] = "full"
+
+    def __post_init__(self) -> None:
+        self.budget = None  # no budget: full attention in every layer
+        super().__post_init__()

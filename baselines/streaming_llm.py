@@ -1,0 +1,80 @@
+"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024).
+
+Kept set = the first ``n_sink`` tokens (attention sinks) and the most recent ``budget - n_sink``
+tokens; everything in between is dropped for good (reference/baselines.md §1.2). Prefill is exact full
+attention, then the cache is cut to the kept set; each decode step appends the new token, attends over
+the kept set, and evicts the oldest non-sink token.
+
+Positions: by default keys keep their original RoPE positions (what kvpress and KVCache-Factory do for
+LongBench-style evaluation). ``rerotate=True`` reproduces the paper's "position shift": keys are
+attended as if at their index inside the cache and the query at the cache length, obtained by rotating
+each resident key by a position delta (a rotation by delta is itself a RoPE rotation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+
+
+def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Applies a RoPE rotation by ``delta`` positions (``[m]``) to post-RoPE vectors ``x: [H, m, d]``."""
+    angles = delta.float()[:, None] * inv_freq.to(x.device)[None, :]  # [m, d/2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated_half.float() * sin).to(x.dtype)
+
+
+@dataclass
+class StreamingLLM(KVMethod):
+    """Attention sinks + recent window.
+
+    Args:
+        budget: past tokens attended per head per step (sinks included); recent window = budget - n_sink.
+        n_sink: number of initial "sink" tokens always kept (paper and official default: 4).
+        rerotate: attend with positions inside the cache (paper's pos-shift) instead of original ones.
+    """
+
+    n_sink: int = 4
+    rerotate: bool = False
+    name: ClassVar[str] = "streaming_llm"
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError("streaming_llm needs a budget (tokens per head), e.g. budget=64")
+        if self.budget <= self.n_sink:
+            raise BudgetError(f"streaming_llm: budget {self.budget} must exceed n_sink={self.n_sink} "
+                              f"(sinks + at least one recent token); try budget={self.n_sink + 60}")
+
+    def bind(self, spec: ModelSpec) -> None:
+        super().bind(spec)
+        if self.rerotate and spec.inv_freq is None:
+            raise ValueError("streaming_llm rerotate=True needs a RoPE model (no rotary_emb.inv_freq found)")
+
+    def finish_prefill(self, st: LayerState) -> None:
+        self.evict(st)
+
+    def observe(self, st: LayerState, q, fetched, selection) -> None:
+        self.evict(st)
+
+    def evict(self, st: LayerState) -> None:
+        """Keeps the ``n_sink`` first and ``budget - n_sink`` most recent tokens."""
+        n = st.k.shape[1]
+        if n <= self.budget:
+            return
+        recent = self.budget - self.n_sink
+        keep = torch.cat([torch.arange(self.n_sink), torch.arange(n - recent, n)]).to(st.k.device)
+        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+
+    def fetch(self, st: LayerState, selection) -> Fetched:
+        if not self.rerotate:
+            return Fetched(st.k, st.v)
+        # key j sits at cache index j; the query (last entry) at index m-1 = its original position shift
+        m = st.k.shape[1]
+        slot = torch.arange(m, device=st.k.device)
+        query_shift = (m - 1) - st.pos[-1]
+        return Fetched(rotate_by(st.k, (slot - st.pos) - query_shift, self.spec.inv_freq), st.v)

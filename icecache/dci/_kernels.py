@@ -1,0 +1,370 @@
+"""numba kernels of M-DCI: page bulk load, top-down page search, incremental insert (icecache.md §3).
+
+Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capacity):
+
+- ``page_keys [H, P, S, d]`` fp32 keys in page layout (a node's children are scored page by page,
+  contiguous in memory), ``page_uk [H, P, S]`` = ``u_{1:d}.k``, ``page_proj [H, P, S]`` = ``p(k)``,
+  ``page_loc [H, P, S]`` local token index, ``page_abs [H, P, S]`` absolute token id (-1 = empty).
+- ``page_valid [H, P]`` used slots, ``page_next [H, P]`` next page of the same parent (-1 = last),
+  ``page_node [H, P]`` the parent node owning the page.
+- ``node_first [H, N]``, ``node_npages [H, N]``, ``node_nleaf [H, N]`` (level-0 pages below the node),
+  ``node_m2 [H, N]`` (the ``M^2`` its children's projections use, §2); node 0 = virtual root,
+  node ``i + 1`` = token ``i``.
+- ``tok_page [H, n]``, ``tok_slot [H, n]``: where each token sits; ``parent [H, n]`` its parent node.
+
+Invariant: a node's pages, followed through ``page_next``, hold its children sorted by projection
+(slots sorted inside a page, pages in increasing order), so "the children closest in projection to
+``p(q)``" are one contiguous run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
+_FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+
+# ----------------------------------------------------------------------------- bulk load (§3.2)
+
+@njit(cache=True, nogil=True)
+def bulk_load(parent, proj, uk, keys, tok_abs, page_size, page_keys, page_uk, page_proj, page_loc,
+              page_abs, page_valid, page_next, page_node, node_first, node_npages, tok_page,
+              tok_slot, n_pages):
+    """Cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages."""
+    heads, n = parent.shape
+    n_nodes = n + 1
+    for h in range(heads):
+        count = np.zeros(n_nodes + 1, dtype=np.int64)
+        for i in range(n):
+            count[parent[h, i] + 1] += 1
+        for v in range(n_nodes):
+            count[v + 1] += count[v]
+        order = np.empty(n, dtype=np.int64)
+        fill = count[:-1].copy()
+        for i in range(n):
+            v = parent[h, i]
+            order[fill[v]] = i
+            fill[v] += 1
+        pg = 0
+        for v in range(n_nodes):
+            lo, hi = count[v], count[v + 1]
+            c = hi - lo
+            if c == 0:
+                continue
+            seg = order[lo:hi]
+            seg = seg[np.argsort(proj[h, seg], kind="mergesort")]
+            pages_left = (c + page_size - 1) // page_size
+            node_first[h, v] = pg
+            node_npages[h, v] = pages_left
+            pos = 0
+            while pages_left > 0:
+                take = (c - pos) // pages_left
+                for s in range(take):
+                    i = seg[pos + s]
+                    page_keys[h, pg, s, :] = keys[h, i, :]
+                    page_uk[h, pg, s] = uk[h, i]
+                    page_proj[h, pg, s] = proj[h, i]
+                    page_loc[h, pg, s] = i
+                    page_abs[h, pg, s] = tok_abs[i]
+                    tok_page[h, i] = pg
+                    tok_slot[h, i] = s
+                page_valid[h, pg] = take
+                page_node[h, pg] = v
+                page_next[h, pg] = pg + 1 if pages_left > 1 else -1
+                pos += take
+                pages_left -= 1
+                pg += 1
+        n_pages[h] = pg
+
+
+@njit(cache=True, nogil=True)
+def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
+    """``node_nleaf``: number of level-0 pages in each node's subtree (``num_finest_level_nodes``)."""
+    heads = parent.shape[0]
+    for h in range(heads):
+        for i in by_level:
+            t = level[i]
+            if t == 0:
+                continue
+            if t == 1:
+                node_nleaf[h, i + 1] = node_npages[h, i + 1]
+            node_nleaf[h, parent[h, i]] += node_nleaf[h, i + 1]
+        if level.size and level.max() == 0:
+            node_nleaf[h, 0] = node_npages[h, 0]
+
+
+# ----------------------------------------------------------------------------- query (§3.3)
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _expand(h, node, qv, qp, prop, page_keys, page_proj, page_loc, page_valid, page_next,
+            node_first, node_npages, pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, nc):
+    """Score the ``ceil(prop * c)`` children of ``node`` closest to ``p(q)`` in projection.
+
+    Updates each touched page's best score, appends (score, node index) of the scored children to
+    the candidate buffers; returns the new ``(n_touched, nc)``.
+    """
+    d = qv.shape[0]
+    c = 0
+    pg = node_first[h, node]
+    for _ in range(node_npages[h, node]):
+        for s in range(page_valid[h, pg]):
+            pos_pg[c] = pg
+            pos_sl[c] = s
+            c += 1
+        pg = page_next[h, pg]
+    if c == 0:
+        return n_touched, nc
+    lo, hi = 0, c - 1
+    keep = min(c, max(1, int(math.ceil(prop * c - 1e-9))))
+    for _ in range(c - keep):  # drop the child farther from p(q) at either end
+        if qp - page_proj[h, pos_pg[lo], pos_sl[lo]] > page_proj[h, pos_pg[hi], pos_sl[hi]] - qp:
+            lo += 1
+        else:
+            hi -= 1
+    for i in range(lo, hi + 1):
+        pg = pos_pg[i]
+        sl = pos_sl[i]
+        acc = np.float32(0.0)
+        for j in range(d):
+            acc += qv[j] * page_keys[h, pg, sl, j]
+        if best[pg] == -np.inf:
+            touched[n_touched] = pg
+            n_touched += 1
+        if acc > best[pg]:
+            best[pg] = acc
+        cand_s[nc] = acc
+        cand_v[nc] = page_loc[h, pg, sl] + 1
+        nc += 1
+    return n_touched, nc
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def search(queries, u, group, k_pages, fov, prop, top_level, n_tokens, page_keys, page_proj,
+           page_loc, page_valid, page_next, node_first, node_npages, node_nleaf, out):
+    """Top-down best-first page search for every query head (§3.3); writes ``out [H_q, K]``.
+
+    From the virtual root, expand the kept nodes of a level, score ~``prop`` of their children,
+    sort the found children by score and keep the smallest prefix whose level-0 pages reach
+    ``k_pages``, but at least ``min(fov, found)``. Every scored token (upper levels included) is a
+    candidate; the result is the distinct pages in order of their best token's score.
+    """
+    n_q, d = queries.shape
+    n_pages_cap = page_keys.shape[1]
+    best = np.full(n_pages_cap, -np.inf, dtype=np.float32)
+    touched = np.empty(n_pages_cap, dtype=np.int64)
+    pos_pg = np.empty(n_tokens, dtype=np.int64)
+    pos_sl = np.empty(n_tokens, dtype=np.int64)
+    cand_s = np.empty(n_tokens, dtype=np.float32)
+    cand_v = np.empty(n_tokens, dtype=np.int64)
+    kept = np.empty(n_tokens + 1, dtype=np.int64)
+    qv = np.empty(d, dtype=np.float32)
+    for qh in range(n_q):
+        h = qh // group
+        norm = 0.0
+        qp = 0.0
+        for j in range(d):
+            qv[j] = queries[qh, j]
+            norm += qv[j] * qv[j]
+            qp += u[j] * qv[j]
+        qp /= max(math.sqrt(norm), 1e-30)
+        kept[0] = 0
+        n_kept = 1
+        n_touched = 0
+        child_level = top_level
+        while True:
+            nc = 0
+            for a in range(n_kept):
+                n_touched, nc = _expand(h, kept[a], qv, qp, prop, page_keys, page_proj, page_loc,
+                                        page_valid, page_next, node_first, node_npages, pos_pg,
+                                        pos_sl, best, touched, n_touched, cand_s, cand_v, nc)
+            if child_level == 0 or nc == 0:
+                break
+            order = np.argsort(-cand_s[:nc])
+            n_kept = min(fov, nc)
+            leaves = 0
+            for a in range(n_kept):
+                leaves += node_nleaf[h, cand_v[order[a]]]
+            while leaves < k_pages and n_kept < nc:
+                leaves += node_nleaf[h, cand_v[order[n_kept]]]
+                n_kept += 1
+            for a in range(n_kept):
+                kept[a] = cand_v[order[a]]
+            child_level -= 1
+        scores = np.empty(n_touched, dtype=np.float32)
+        for a in range(n_touched):
+            scores[a] = best[touched[a]]
+        order = np.argsort(-scores, kind="mergesort")
+        n_out = min(k_pages, n_touched)
+        for a in range(n_out):
+            out[qh, a] = touched[order[a]]
+        for a in range(n_out, k_pages):
+            out[qh, a] = -1
+        for a in range(n_touched):
+            best[touched[a]] = -np.inf
+
+
+# ----------------------------------------------------------------------------- insert (§3.4)
+
+@njit(cache=True, nogil=True)
+def _node_pages(h, node, page_next, node_first, node_npages):
+    pages = np.empty(node_npages[h, node], dtype=np.int64)
+    pg = node_first[h, node]
+    for a in range(pages.size):
+        pages[a] = pg
+        pg = page_next[h, pg]
+    return pages
+
+
+@njit(cache=True, nogil=True)
+def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc, page_abs,
+               page_valid, page_next, node_first, node_npages, node_m2, tok_page, tok_slot, changed):
+    """Lazy ``M`` correction of one node (§2): re-project its children with the head's new ``M^2``,
+    re-sort them and re-pack them evenly into the node's pages (all flagged as changed)."""
+    pages = _node_pages(h, node, page_next, node_first, node_npages)
+    c = 0
+    for pg in pages:
+        c += page_valid[h, pg]
+    d = page_keys.shape[3]
+    keys = np.empty((c, d), dtype=np.float32)
+    uk = np.empty(c, dtype=np.float32)
+    proj = np.empty(c, dtype=np.float32)
+    loc = np.empty(c, dtype=np.int64)
+    absid = np.empty(c, dtype=np.int64)
+    i = 0
+    for pg in pages:
+        for s in range(page_valid[h, pg]):
+            keys[i] = page_keys[h, pg, s]
+            uk[i] = page_uk[h, pg, s]
+            loc[i] = page_loc[h, pg, s]
+            absid[i] = page_abs[h, pg, s]
+            proj[i] = uk[i] + u_last * math.sqrt(max(m2 - sq[h, loc[i]], 0.0))
+            i += 1
+    order = np.argsort(proj, kind="mergesort")
+    pos = 0
+    left = pages.size
+    for pg in pages:
+        take = (c - pos) // left
+        for s in range(take):
+            i = order[pos + s]
+            page_keys[h, pg, s] = keys[i]
+            page_uk[h, pg, s] = uk[i]
+            page_proj[h, pg, s] = proj[i]
+            page_loc[h, pg, s] = loc[i]
+            page_abs[h, pg, s] = absid[i]
+            tok_page[h, loc[i]] = pg
+            tok_slot[h, loc[i]] = s
+        for s in range(take, page_valid[h, pg]):
+            page_loc[h, pg, s] = -1
+            page_abs[h, pg, s] = -1
+        page_valid[h, pg] = take
+        changed[h, pg] = True
+        pos += take
+        left -= 1
+    node_m2[h, node] = m2
+
+
+@njit(cache=True, nogil=True)
+def _add_leaf_page(h, node, parent, node_nleaf):
+    """A new level-0 page below ``node``: bump ``num_finest_level_nodes`` up to the root."""
+    v = node
+    while v != 0:
+        node_nleaf[h, v] += 1
+        v = parent[h, v - 1]
+    node_nleaf[h, 0] += 1
+
+
+@njit(cache=True, nogil=True)
+def _split(h, pg, page_size, page_keys, page_uk, page_proj, page_loc, page_abs, page_valid,
+           page_next, page_node, tok_page, tok_slot, n_pages, changed):
+    """Split a full page in half; the upper half moves to a newly allocated page (returned)."""
+    new = n_pages[h]
+    n_pages[h] += 1
+    half = page_size // 2
+    for s in range(half, page_size):
+        t = s - half
+        page_keys[h, new, t] = page_keys[h, pg, s]
+        page_uk[h, new, t] = page_uk[h, pg, s]
+        page_proj[h, new, t] = page_proj[h, pg, s]
+        page_loc[h, new, t] = page_loc[h, pg, s]
+        page_abs[h, new, t] = page_abs[h, pg, s]
+        tok_page[h, page_loc[h, pg, s]] = new
+        tok_slot[h, page_loc[h, pg, s]] = t
+        page_loc[h, pg, s] = -1
+        page_abs[h, pg, s] = -1
+    page_valid[h, new] = page_size - half
+    page_valid[h, pg] = half
+    page_next[h, new] = page_next[h, pg]
+    page_next[h, pg] = new
+    page_node[h, new] = page_node[h, pg]
+    changed[h, pg] = True
+    changed[h, new] = True
+    return new
+
+
+@njit(cache=True, nogil=True)
+def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, page_size, sq, parent, page_keys, page_uk, page_proj, page_loc, page_abs, page_valid,
+           page_next, page_node, node_first, node_npages, node_nleaf, node_m2, tok_page, tok_slot,
+           n_pages, changed):
+    """Insert ``m`` new level-0 tokens per head into their parents' pages (§3.4).
+
+    Parents are level-1 nodes (or the root of a one-level tree), so a new page is a level-0 page.
+    A full page splits in half; every page whose content changed is flagged in ``changed``.
+    """
+    heads, m, d = new_keys.shape
+    for h in range(heads):
+        for a in range(m):
+            node = new_parent[h, a]
+            i = new_loc[a]
+            sq[h, i] = new_sq[h, a]
+            parent[h, i] = node
+            if node_npages[h, node] > 0 and node_m2[h, node] < m2[h]:
+                _reproject(h, node, m2[h], u_last, sq, page_keys, page_uk, page_proj, page_loc,
+                           page_abs, page_valid, page_next, node_first, node_npages, node_m2,
+                           tok_page, tok_slot, changed)
+            node_m2[h, node] = m2[h]
+            p = new_uk[h, a] + u_last * math.sqrt(max(m2[h] - new_sq[h, a], 0.0))
+            if node_npages[h, node] == 0:
+                pg = n_pages[h]
+                n_pages[h] += 1
+                page_next[h, pg] = -1
+                page_node[h, pg] = node
+                page_valid[h, pg] = 0
+                node_first[h, node] = pg
+                node_npages[h, node] = 1
+                _add_leaf_page(h, node, parent, node_nleaf)
+            else:
+                pg = node_first[h, node]
+                nxt = page_next[h, pg]
+                while nxt >= 0 and page_proj[h, nxt, 0] <= p:
+                    pg = nxt
+                    nxt = page_next[h, pg]
+                if page_valid[h, pg] == page_size:
+                    new = _split(h, pg, page_size, page_keys, page_uk, page_proj, page_loc,
+                                 page_abs, page_valid, page_next, page_node, tok_page, tok_slot,
+                                 n_pages, changed)
+                    node_npages[h, node] += 1
+                    _add_leaf_page(h, node, parent, node_nleaf)
+                    if p >= page_proj[h, new, 0]:
+                        pg = new
+            s = page_valid[h, pg]
+            while s > 0 and page_proj[h, pg, s - 1] > p:
+                page_keys[h, pg, s] = page_keys[h, pg, s - 1]
+                page_uk[h, pg, s] = page_uk[h, pg, s - 1]
+                page_proj[h, pg, s] = page_proj[h, pg, s - 1]
+                page_loc[h, pg, s] = page_loc[h, pg, s - 1]
+                page_abs[h, pg, s] = page_abs[h, pg, s - 1]
+                tok_slot[h, page_loc[h, pg, s]] = s
+                s -= 1
+            page_keys[h, pg, s] = new_keys[h, a]
+            page_uk[h, pg, s] = new_uk[h, a]
+            page_proj[h, pg, s] = p
+            page_loc[h, pg, s] = i
+            page_abs[h, pg, s] = new_abs[a]
+            tok_page[h, i] = pg
+            tok_slot[h, i] = s
+            page_valid[h, pg] += 1
+            changed[h, pg] = True

@@ -1,0 +1,59 @@
+"""Hyper-parameters of the M-DCI index (defaults = IceCache's bf16 branch, icecache.md §3 and §8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DCIConfig:
+    """Configuration of one layer's M-DCI index.
+
+    Attributes:
+        page_size: tokens per page = B+-tree leaf capacity (``BTREE_LEAF_MAX_NUM_SLOTS``, §3.2).
+        ratio_1: promotion ratio from level 0 to level 1 (``p_0``, §3.2; 0.01 in the scripts).
+        ratio_2: promotion ratio between higher levels (``p_{t>=1}``, §3.2).
+        promotion: ``"deterministic"`` (positional rule of the official code, §3.2) or
+            ``"random"`` (geometric coin flips with a seeded generator).
+        search_ratio: the query's field of view is ``max(floor(n * search_ratio), min_fov)`` (§3.3).
+        min_fov: lower bound of the field of view (30, §3.3).
+        prop_to_retrieve: share of an expanded node's children scored exactly, picked by projection
+            proximity to the query (0.8, §3.3).
+        exact_parent_threshold: parents are found by exact brute force while the upper level has at
+            most this many points (``numa_threshold`` = 3000, §3.2).
+        anchor_interval: every ``anchor_interval``-th level-0 point is an anchor (60, bf16 branch).
+        anchor_window: anchors looked at on each side of a level-0 point (``X`` = 60).
+        anchor_threshold: a point keeps its anchor-derived parent ``P`` if
+            ``D <= anchor_threshold * maxchilddist(P)`` (1.02), else it falls back to the full search.
+        use_anchors: use the anchor shortcut at level 0 when it holds more than
+            ``exact_parent_threshold`` points (§3.2, step 3).
+        seed: seeds the projection direction ``u`` and random promotion.
+    """
+
+    page_size: int = 16
+    ratio_1: float = 0.01
+    ratio_2: float = 0.2
+    promotion: str = "deterministic"
+    search_ratio: float = 1.5e-3
+    min_fov: int = 30
+    prop_to_retrieve: float = 0.8
+    exact_parent_threshold: int = 3000
+    anchor_interval: int = 60
+    anchor_window: int = 60
+    anchor_threshold: float = 1.02
+    use_anchors: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.promotion not in ("deterministic", "random"):
+            raise ValueError(f"promotion must be 'deterministic' or 'random', got {self.promotion!r}")
+        if self.page_size < 2:
+            raise ValueError("page_size must be >= 2 (a full page splits in half)")
+        if not (0.0 < self.ratio_1 < 1.0 and 0.0 < self.ratio_2 < 1.0):
+            raise ValueError("promotion ratios must lie in (0, 1)")
+        if not 0.0 < self.prop_to_retrieve <= 1.0:
+            raise ValueError("prop_to_retrieve must lie in (0, 1]")
+
+    def fov(self, n_seq: int) -> int:
+        """Field of view of a query at sequence length ``n_seq`` (§3.3)."""
+        return max(int(n_seq * self.search_ratio), self.min_fov)

@@ -1,0 +1,261 @@
+"""``MDCIIndex``: the M-DCI instances of one layer, batched over its KV heads (icecache.md §2-§3).
+
+See the package docstring (``icecache/dci/__init__.py``) for the API and for what differs from the
+official C code. Internal storage is numpy (shared zero-copy with the torch views this class
+returns); the irregular work runs in the numba kernels of ``_kernels.py``, the dense work (parent
+search at construction and insert) in torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _kernels
+from .config import DCIConfig
+from .levels import assign_levels, level_sizes
+from .parents import assign_parents
+from .transform import lift_height, random_direction, sq_norms, transform_keys
+
+
+def _grow(arr: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
+    """Copy of ``arr`` enlarged to ``size`` along ``axis``, new entries set to ``fill``."""
+    shape = list(arr.shape)
+    shape[axis] = size
+    out = np.full(shape, fill, dtype=arr.dtype)
+    out[tuple(slice(0, s) for s in arr.shape)] = arr
+    return out
+
+
+# (attribute, axis that grows, fill value) of the token-indexed and page-indexed arrays
+_TOKEN_ARRAYS = (("tok_abs", 0, -1), ("level", 0, 0), ("sq", 1, 0.0), ("parent", 1, 0),
+                 ("tok_page", 1, -1), ("tok_slot", 1, -1))
+_NODE_ARRAYS = (("node_first", 1, -1), ("node_npages", 1, 0), ("node_nleaf", 1, 0),
+                ("node_m2", 1, 0.0))
+_PAGE_ARRAYS = (("page_keys", 1, 0.0), ("page_uk", 1, 0.0), ("page_proj", 1, 0.0),
+                ("page_loc", 1, -1), ("page_abs", 1, -1), ("page_valid_np", 1, 0),
+                ("page_next", 1, -1), ("page_node", 1, -1))
+
+
+class MDCIIndex:
+    """One layer's M-DCI index: one logical instance per KV head, stored and searched together."""
+
+    def __init__(self, cfg: DCIConfig, heads: int, dim: int, n: int, token_cap: int, page_cap: int):
+        """Allocate empty storage; use :meth:`build`."""
+        self.cfg = cfg
+        self.heads, self.dim, self.n = heads, dim, n
+        s = cfg.page_size
+        self.tok_abs = np.full(token_cap, -1, dtype=np.int64)
+        self.level = np.zeros(token_cap, dtype=np.int32)
+        self.sq = np.zeros((heads, token_cap), dtype=np.float32)
+        self.parent = np.zeros((heads, token_cap), dtype=np.int64)
+        self.tok_page = np.full((heads, token_cap), -1, dtype=np.int64)
+        self.tok_slot = np.full((heads, token_cap), -1, dtype=np.int64)
+        self.node_first = np.full((heads, token_cap + 1), -1, dtype=np.int64)
+        self.node_npages = np.zeros((heads, token_cap + 1), dtype=np.int64)
+        self.node_nleaf = np.zeros((heads, token_cap + 1), dtype=np.int64)
+        self.node_m2 = np.zeros((heads, token_cap + 1), dtype=np.float32)
+        self.page_keys = np.zeros((heads, page_cap, s, dim), dtype=np.float32)
+        self.page_uk = np.zeros((heads, page_cap, s), dtype=np.float32)
+        self.page_proj = np.zeros((heads, page_cap, s), dtype=np.float32)
+        self.page_loc = np.full((heads, page_cap, s), -1, dtype=np.int64)
+        self.page_abs = np.full((heads, page_cap, s), -1, dtype=np.int64)
+        self.page_valid_np = np.zeros((heads, page_cap), dtype=np.int64)
+        self.page_next = np.full((heads, page_cap), -1, dtype=np.int64)
+        self.page_node = np.full((heads, page_cap), -1, dtype=np.int64)
+        self.n_pages_h = np.zeros(heads, dtype=np.int64)
+        self.m2 = np.zeros(heads, dtype=np.float32)
+        self.u = random_direction(dim + 1, cfg.seed).numpy()
+        self.top_level = 0
+        self._l1_loc = np.zeros(0, dtype=np.int64)
+        self._l1_keys = torch.zeros(heads, 0, dim)
+        self._l1_sq = torch.zeros(heads, 0)
+
+    # ------------------------------------------------------------------------- construction
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, token_ids: torch.Tensor,
+              cfg: DCIConfig | None = None) -> "MDCIIndex":
+        """Build the index over ``keys [H_kv, n, d]`` (post-RoPE, any float dtype; fp32 inside).
+
+        ``token_ids [n]`` are the absolute positions of these keys in the layer's token store; pages
+        and search results refer to them through :attr:`page_table`.
+        """
+        cfg = cfg or DCIConfig()
+        heads, n, dim = keys.shape
+        if n < 1:
+            raise ValueError("cannot build an M-DCI index over zero keys")
+        keys32 = keys.float().contiguous()
+        sq = sq_norms(keys32)
+        m2 = sq.max(-1).values
+        self = cls(cfg, heads, dim, n, token_cap=n + max(256, n // 8), page_cap=1)
+        u = torch.from_numpy(self.u)
+        lifted = transform_keys(keys32, m2)
+        level = assign_levels(n, cfg)
+        parent = assign_parents(lifted, m2, level, cfg)
+        self._bulk_load(keys32, lifted, u, sq, m2, token_ids, level, parent)
+        return self
+
+    def _bulk_load(self, keys32, lifted, u, sq, m2, token_ids, level, parent) -> None:
+        """Fill the token, node and page arrays from the levels and parents (§3.2, "Pages")."""
+        n, s = self.n, self.cfg.page_size
+        self.tok_abs[:n] = token_ids.to(torch.int64).numpy()
+        self.level[:n] = level
+        self.sq[:, :n] = sq.numpy()
+        self.parent[:, :n] = parent
+        self.m2[:] = m2.numpy()
+        self.node_m2[:] = self.m2[:, None]
+        self.top_level = int(level.max())
+        children = np.stack([np.bincount(p, minlength=n + 1) for p in parent])
+        pages = int(((children + s - 1) // s).sum(1).max())
+        self._ensure_pages(pages + max(64, pages // 8))
+        uk = (keys32 @ u[:-1]).numpy()
+        proj = (lifted @ u).numpy()
+        _kernels.bulk_load(parent, proj, uk, keys32.numpy(), self.tok_abs, s, self.page_keys,
+                           self.page_uk, self.page_proj, self.page_loc, self.page_abs,
+                           self.page_valid_np, self.page_next, self.page_node, self.node_first,
+                           self.node_npages, self.tok_page, self.tok_slot, self.n_pages_h)
+        by_level = np.argsort(level, kind="stable").astype(np.int64)
+        _kernels.leaf_page_counts(parent, level, by_level, self.node_npages, self.node_nleaf)
+        self._l1_loc = np.flatnonzero(level == 1).astype(np.int64)
+        self._l1_keys = keys32[:, torch.from_numpy(self._l1_loc)].contiguous()
+        self._l1_sq = sq[:, torch.from_numpy(self._l1_loc)].contiguous()
+
+    # ------------------------------------------------------------------------- capacity
+
+    def _ensure_tokens(self, size: int) -> None:
+        cap = self.tok_abs.shape[0]
+        if size <= cap:
+            return
+        new = max(size, 2 * cap)
+        for name, axis, fill in _TOKEN_ARRAYS:
+            setattr(self, name, _grow(getattr(self, name), axis, new, fill))
+        for name, axis, fill in _NODE_ARRAYS:
+            setattr(self, name, _grow(getattr(self, name), axis, new + 1, fill))
+
+    def _ensure_pages(self, size: int) -> None:
+        cap = self.page_keys.shape[1]
+        if size <= cap:
+            return
+        new = max(size, 2 * cap)
+        for name, axis, fill in _PAGE_ARRAYS:
+            setattr(self, name, _grow(getattr(self, name), axis, new, fill))
+
+    # ------------------------------------------------------------------------- query
+
+    def search(self, queries: torch.Tensor, k_pages: int, n_seq: int | None = None) -> torch.Tensor:
+        """Top-``k_pages`` page ids per query head (§3.3): ``queries [H_q, d]`` -> ``LongTensor [H_q, K]``.
+
+        Query head ``i`` searches KV head ``i // (H_q / H_kv)``. Pages are listed in order of their
+        best-scoring token, -1 padded. ``n_seq`` (default: indexed tokens) sets the field of view
+        ``max(floor(n_seq * search_ratio), min_fov)``.
+        """
+        n_q = queries.shape[0]
+        if n_q % self.heads:
+            raise ValueError(f"H_q={n_q} is not a multiple of H_kv={self.heads}")
+        q = queries.float().contiguous().numpy()
+        out = np.empty((n_q, k_pages), dtype=np.int64)
+        fov = self.cfg.fov(self.n if n_seq is None else n_seq)
+        _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
+                        self.top_level, self.n, self.page_keys, self.page_proj, self.page_loc,
+                        self.page_valid_np, self.page_next, self.node_first, self.node_npages,
+                        self.node_nleaf, out)
+        return torch.from_numpy(out)
+
+    # ------------------------------------------------------------------------- insert
+
+    def insert(self, keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Insert ``keys [H_kv, m, d]`` (post-RoPE) with absolute ids ``token_ids [m]`` (§3.4).
+
+        Every new token becomes a level-0 point under its nearest level-1 node (exact brute force
+        under ``D``). Returns ``BoolTensor [H_kv, n_pages]`` (``n_pages`` after the insert): True for
+        every (head, page) whose content changed, new pages included, so stale copies are refetched.
+        """
+        heads, m, _ = keys.shape
+        keys32 = keys.float().contiguous()
+        sq = sq_norms(keys32)
+        m2 = torch.maximum(torch.from_numpy(self.m2), sq.max(-1).values)
+        u = torch.from_numpy(self.u)
+        uk = keys32 @ u[:-1]
+        parent = self._insert_parents(keys32, sq, m2)
+        self._ensure_tokens(self.n + m)
+        self._ensure_pages(int(self.n_pages_h.max()) + m)
+        self.m2[:] = m2.numpy()
+        loc = np.arange(self.n, self.n + m, dtype=np.int64)
+        abs_ids = token_ids.to(torch.int64).numpy()
+        self.tok_abs[loc] = abs_ids
+        changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
+        _kernels.insert(keys32.numpy(), uk.numpy(), sq.numpy(), parent, loc, abs_ids, self.m2,
+                        np.float32(self.u[-1]), self.cfg.page_size, self.sq, self.parent,
+                        self.page_keys, self.page_uk, self.page_proj, self.page_loc, self.page_abs,
+                        self.page_valid_np, self.page_next, self.page_node, self.node_first,
+                        self.node_npages, self.node_nleaf, self.node_m2, self.tok_page,
+                        self.tok_slot, self.n_pages_h, changed)
+        self.n += m
+        return torch.from_numpy(changed[:, : self.n_pages])
+
+    def _insert_parents(self, keys32: torch.Tensor, sq: torch.Tensor, m2: torch.Tensor) -> np.ndarray:
+        """Nearest level-1 node under ``D`` of each new key, as node indices ``[H, m]`` (0 = root)."""
+        heads, m, _ = keys32.shape
+        if self._l1_loc.size == 0:
+            return np.zeros((heads, m), dtype=np.int64)
+        sim = torch.baddbmm(lift_height(sq, m2[:, None]).unsqueeze(-1)
+                            * lift_height(self._l1_sq, m2[:, None]).unsqueeze(1),
+                            keys32, self._l1_keys.transpose(1, 2))
+        return self._l1_loc[sim.argmax(-1).numpy()] + 1
+
+    # ------------------------------------------------------------------------- page views
+
+    @property
+    def n_pages(self) -> int:
+        """Page slots per head (the largest head's page count); shorter heads have empty pages."""
+        return int(self.n_pages_h.max())
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """``LongTensor [H_kv, n_pages, page_size]`` of absolute token ids, -1 = empty slot."""
+        return torch.from_numpy(self.page_abs[:, : self.n_pages])
+
+    @property
+    def page_valid(self) -> torch.Tensor:
+        """``LongTensor [H_kv, n_pages]``: used slots of each page (slots ``0..valid-1`` are used)."""
+        return torch.from_numpy(self.page_valid_np[:, : self.n_pages])
+
+    def page_token_ids(self, head_idx: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Absolute token ids of pages: ``head_idx``, ``page_ids`` broadcastable LongTensors (page -1
+        allowed) -> ``LongTensor [..., page_size]``, -1 for empty slots and for page -1."""
+        table = self.page_table
+        out = table[head_idx, page_ids.clamp_min(0)]
+        return out.masked_fill((page_ids < 0).unsqueeze(-1), -1)
+
+    def page_valid_counts(self, head_idx: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Used slots of pages (0 for page -1), same broadcasting as :meth:`page_token_ids`."""
+        counts = self.page_valid[head_idx, page_ids.clamp_min(0)]
+        return counts.masked_fill(page_ids < 0, 0)
+
+    # ------------------------------------------------------------------------- token views
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """``LongTensor [n]``: absolute ids of the indexed tokens, in insertion order."""
+        return torch.from_numpy(self.tok_abs[: self.n])
+
+    @property
+    def token_page(self) -> torch.Tensor:
+        """``LongTensor [H_kv, n]``: page holding each token of :attr:`token_ids`, per head."""
+        return torch.from_numpy(self.tok_page[:, : self.n])
+
+    @property
+    def token_parent(self) -> torch.Tensor:
+        """``LongTensor [H_kv, n]``: parent of each token as a local index (-1 = virtual root)."""
+        return torch.from_numpy(self.parent[:, : self.n] - 1)
+
+    @property
+    def level_sizes(self) -> list[int]:
+        """Points per level, level 0 first (inserted tokens are level 0)."""
+        return level_sizes(self.level[: self.n])
+
+    @property
+    def max_sq_norm(self) -> torch.Tensor:
+        """``[H_kv]`` running maximum squared key norm ``M^2`` (§2)."""
+        return torch.from_numpy(self.m2)

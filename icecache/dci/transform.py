@@ -1,0 +1,64 @@
+"""Inner product -> Euclidean transform of M-DCI (icecache.md §2).
+
+Keys are lifted to ``T_K(k) = [k ; sqrt(M^2 - ||k||^2)]`` (norm ``M``) and queries to
+``T_Q(q) = [q / ||q|| ; 0]`` (norm 1), so ``||T_Q(q) - T_K(k)||^2 = 1 + M^2 - 2 q.k / ||q||``
+decreases in ``q.k``: Euclidean nearest neighbours of ``T_Q(q)`` are the keys of largest inner
+product. ``M^2`` is the running maximum of ``||k||^2`` of one head. All functions work in fp32 and
+broadcast over leading (head) axes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sq_norms(keys: torch.Tensor) -> torch.Tensor:
+    """Squared norms ``||k||^2`` in fp32, shape ``keys.shape[:-1]``."""
+    keys = keys.float()
+    return (keys * keys).sum(-1)
+
+
+def lift_height(sq: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """The extra coordinate ``sqrt(M^2 - ||k||^2)`` (clamped at 0 against round-off)."""
+    return (m2 - sq).clamp_min(0.0).sqrt()
+
+
+def transform_keys(keys: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """``T_K``: ``[..., n, d] -> [..., n, d+1]``; ``m2`` has shape ``[...]`` (one value per head)."""
+    keys = keys.float()
+    height = lift_height(sq_norms(keys), m2.unsqueeze(-1))
+    return torch.cat([keys, height.unsqueeze(-1)], dim=-1)
+
+
+def transform_queries(queries: torch.Tensor) -> torch.Tensor:
+    """``T_Q``: ``[..., d] -> [..., d+1]``, unit norm, last coordinate 0."""
+    queries = queries.float()
+    unit = queries / queries.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return torch.cat([unit, torch.zeros_like(unit[..., :1])], dim=-1)
+
+
+def key_key_distance(a: torch.Tensor, b: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """``D(a, b) = ||T_K(a) - T_K(b)||^2 / 2 = M^2 - a.b - sqrt((M^2-|a|^2)(M^2-|b|^2))``.
+
+    ``a``: ``[H, n, d]``, ``b``: ``[H, m, d]``, ``m2``: ``[H]`` -> ``[H, n, m]``. Used for parent
+    assignment (the nearest upper-level point under ``D`` becomes the parent, §3.2).
+    """
+    ta, tb = transform_keys(a, m2), transform_keys(b, m2)
+    return m2[:, None, None] - ta @ tb.transpose(-1, -2)
+
+
+def key_projection(keys: torch.Tensor, u: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """``p(k) = u_{1:d}.k + u_{d+1} sqrt(M^2 - ||k||^2)`` (§2), shape ``keys.shape[:-1]``."""
+    return transform_keys(keys, m2) @ u
+
+
+def query_projection(queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``p(q) = u_{1:d}.q / ||q||`` (§2)."""
+    return transform_queries(queries) @ u
+
+
+def random_direction(dim: int, seed: int) -> torch.Tensor:
+    """The single random unit direction ``u`` in ``R^{dim}`` (Gaussian, normalised, seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(dim, generator=gen, dtype=torch.float64)
+    return (u / u.norm()).float()

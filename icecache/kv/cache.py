@@ -1,0 +1,134 @@
+"""The two thin adapters into transformers (reference/baselines.md §5.1).
+
+:class:`KVCache` is a transformers ``Cache`` holding one :class:`MethodLayer` per decoder layer; it
+reports the logical length (so position ids stay right) and returns the new K/V unchanged from
+``update``. :func:`kv_attention`, registered with ``AttentionInterface``, receives the post-RoPE query,
+key and value and hands them to the method: ``prefill`` on the prompt, ``decode`` per new token.
+
+Phases are explicit: the runner calls :meth:`KVCache.begin_prefill`, :meth:`KVCache.begin_step` and
+:meth:`KVCache.end_step`. Inside ``model.generate`` nobody calls them, so a cache that was never told
+runs in *generate mode*: its first forward pass is the prefill and every later pass is decoding (a
+pass with several new tokens is decoded token by token, which is exactly causal).
+"""
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from . import compat
+from .method import KVMethod, LayerState, ModelSpec
+from .timing import PhaseTimer
+
+_ACTIVE_CACHE: contextvars.ContextVar["KVCache | None"] = contextvars.ContextVar("kvbench_cache", default=None)
+
+
+class MethodLayer(compat.CacheLayerMixin):
+    """transformers-facing view of one layer: tracks the logical length, stores nothing itself."""
+
+    is_sliding = False
+
+    def __init__(self, state: LayerState):
+        super().__init__()
+        self.state = state
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states=None):  # noqa: D401 - transformers contract
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.state.n_seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.state.n_seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        query_length = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
+        return self.state.n_seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a KVCache cannot be reset; make a new one with make_cache(...)")
+
+
+class KVCache(compat.Cache):
+    """What users pass to ``model(...)``/``model.generate(...)`` as ``past_key_values``."""
+
+    def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False):
+        method.bind(spec)
+        self.method, self.spec = method, spec
+        self.states = [method.new_state(i) for i in range(spec.n_layers)]
+        super().__init__(layers=[MethodLayer(s) for s in self.states])
+        self.timer = PhaseTimer(sync=profile)
+        self.phase = "new"  # new -> prefill -> decode
+        self.explicit_phases = False
+
+    # ------------------------------------------------------------------ phases (explicit)
+    def begin_prefill(self) -> None:
+        if self.phase != "new":
+            raise RuntimeError("begin_prefill() on a cache that has already been used")
+        self.explicit_phases, self.phase = True, "prefill"
+
+    def begin_step(self) -> None:
+        self.phase = "decode"
+        self.timer.reset()
+
+    def end_step(self) -> dict[str, float]:
+        """Seconds per phase spent in this decode step, summed over layers."""
+        return self.timer.reset()
+
+    # ------------------------------------------------------------------ transformers contract
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(f"KVCache supports batch size 1 (one sequence at a time), got {key_states.shape[0]}")
+        if layer_idx == 0 and not self.explicit_phases:
+            self.phase = "prefill" if self.phase == "new" else "decode"
+        _ACTIVE_CACHE.set(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def run_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dispatches one layer's attention to the method (tensors batch-squeezed)."""
+        st, method = self.states[layer_idx], self.method
+        if self.phase == "prefill":
+            out = method.prefill(st, q, k, v)
+            method.finish_prefill(st)
+            return out
+        if self.phase != "decode":
+            raise RuntimeError("attention called before begin_prefill()")
+        outs = [method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer)
+                for i in range(q.shape[1])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    # ------------------------------------------------------------------ reporting
+    def effective_tokens(self) -> list[float | None]:
+        """Mean past tokens attended per head at a decode step, per layer (None before decoding)."""
+        return [s.attended_sum / s.attended_steps if s.attended_steps else None for s in self.states]
+
+    def resident_tokens(self) -> list[int]:
+        return [self.method.resident_tokens(s) for s in self.states]
+
+    def wait_background(self) -> None:
+        for s in self.states:
+            self.method.await_background(s)
+
+    def close(self) -> None:
+        self.method.close()
+
+
+def kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered with transformers (see :mod:`icecache.kv.compat`)."""
+    cache = _ACTIVE_CACHE.get()
+    _ACTIVE_CACHE.set(None)  # consumed: a later forward with another cache type must not see this one
+    if cache is None:
+        raise RuntimeError(
+            f"this model's attention is routed through '{compat.ATTN_IMPLEMENTATION}', which needs a cache "
+            "from icecache.make_cache(...) passed as past_key_values; call model.set_attn_implementation('sdpa') "
+            "to use the model without one")
+    out = cache.run_attention(module.layer_idx, query[0], key[0], value[0])
+    return out.transpose(0, 1)[None].contiguous(), None
+
+
+compat.register_attention(kv_attention)

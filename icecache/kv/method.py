@@ -1,0 +1,216 @@
+"""The method abstraction every KV-cache method implements (DESIGN.md "The common interface").
+
+A method is a ``@dataclass`` whose fields are its hyperparameters (kvpress style). It never touches
+transformers: it receives plain post-RoPE tensors, batch squeezed — queries ``[H_q, n, d]``, keys and
+values ``[H_kv, n, d]`` — and one :class:`LayerState` per decoder layer.
+
+Prefill: :meth:`KVMethod.prefill` computes exact causal attention over the prompt and stores the layer's
+K/V; :meth:`KVMethod.finish_prefill` then compresses/offloads and may start background work with
+:meth:`KVMethod.submit_background`, which is awaited at that layer's first decode step (so its cost
+shows in the time to the second token, as in the IceCache paper).
+
+Decode: one step per new token, always ``append -> select -> fetch -> attend -> observe``, each phase
+timed by the base class. Eviction methods select "all resident" and evict in ``observe``; retrieval
+methods select from the query and fetch from their offload store.
+
+Budget convention (DESIGN.md): ``budget`` = past tokens each attention head may attend to in a budgeted
+layer at one decode step, sink and recent window included, *not* counting the current token. Layers a
+method exempts are declared by :meth:`KVMethod.is_budgeted`; every step records the effective number
+of past tokens attended per head, per layer.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .attention import attend, causal_attention
+from .timing import PhaseTimer
+
+
+class BudgetError(ValueError):
+    """An invalid budget for a method; raised at config time, before any model is loaded."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a method needs to know about the model (read once from its config)."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scaling: float
+    max_position: int
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    inv_freq: torch.Tensor | None = None  # RoPE frequencies, for methods that re-rotate keys
+
+    @property
+    def group(self) -> int:
+        return self.n_q_heads // self.n_kv_heads
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "ModelSpec":
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn = model.model.layers[0].self_attn
+        rotary = getattr(model.model, "rotary_emb", None)
+        return cls(
+            n_layers=cfg.num_hidden_layers, n_q_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+            scaling=float(getattr(attn, "scaling", head_dim ** -0.5)),
+            max_position=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+            device=next(model.parameters()).device, dtype=next(model.parameters()).dtype,
+            inv_freq=None if rotary is None else rotary.inv_freq.detach().float().cpu(),
+        )
+
+
+@dataclass
+class Fetched:
+    """The K/V a head attends to at one step (current token included): ``[H, m, d]`` with ``H`` in
+    {1, H_kv, H_q}, and an optional ``[H, m]`` validity mask."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor | None = None
+
+    def past_tokens_per_head(self) -> float:
+        """Mean number of past tokens attended per head (the current token excluded)."""
+        if self.valid is None:
+            return float(self.k.shape[1] - 1)
+        return float(self.valid.sum(-1).float().mean()) - 1.0
+
+
+class LayerState:
+    """Per-layer storage. The default holds the resident K/V ``[H_kv, n, d]`` and the original position
+    of each resident token (``pos``, ``[n]``). Methods attach their own fields (indexes, scores...)."""
+
+    def __init__(self, layer_idx: int):
+        self.layer_idx = layer_idx
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.n_seen = 0  # logical length: tokens ever appended to this layer
+        self.pending: concurrent.futures.Future | None = None
+        self.attended_sum = 0.0  # sum over decode steps of past tokens attended per head
+        self.attended_steps = 0
+
+    def resident_tokens(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[1])
+
+
+@dataclass
+class KVMethod:
+    """Base class: the ``full`` behaviour (keep and attend everything). Subclasses override hooks."""
+
+    budget: int | None = None
+    debug: bool = False  # assert the resident-set accounting after every step
+    name: ClassVar[str] = ""
+    spec: ModelSpec | None = field(default=None, init=False, repr=False)
+    _executor: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget <= 0:
+            raise BudgetError(f"{self.name}: budget must be a positive number of tokens, got {self.budget}")
+        self.check_budget()
+
+    # ------------------------------------------------------------------ configuration
+    def check_budget(self) -> None:
+        """Validates the budget against the method's hyperparameters (config time). Override."""
+
+    def bind(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def new_state(self, layer_idx: int) -> LayerState:
+        return LayerState(layer_idx)
+
+    def is_budgeted(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx`` is subject to the budget (dense/exempt layers return False)."""
+        return self.budget is not None
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention over the prompt; stores the layer's K/V. Override for methods that
+        need prefill statistics (H2O, SnapKV)."""
+        out = causal_attention(q, k, v, self.spec.scaling)
+        self.store(st, k, v)
+        return out
+
+    def finish_prefill(self, st: LayerState) -> None:
+        """Called once per layer right after its prefill attention: evict, offload, start index builds."""
+
+    def store(self, st: LayerState, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends K/V with their original positions to the resident store."""
+        pos = torch.arange(st.n_seen - k.shape[1], st.n_seen, device=k.device)
+        if st.k is None:
+            st.k, st.v, st.pos = k, v, pos
+        else:
+            st.k, st.v = torch.cat([st.k, k], dim=1), torch.cat([st.v, v], dim=1)
+            st.pos = torch.cat([st.pos, pos])
+
+    # ------------------------------------------------------------------ background work
+    def submit_background(self, st: LayerState, fn, *args) -> None:
+        """Runs ``fn(*args)`` on the method's single background worker (the prefill pipeline)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        st.pending = self._executor.submit(fn, *args)
+
+    def await_background(self, st: LayerState) -> None:
+        if st.pending is not None:
+            pending, st.pending = st.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               timer: PhaseTimer) -> torch.Tensor:
+        """One decode step of one layer: ``append -> select -> fetch -> attend -> observe``."""
+        with timer.span("update"):
+            self.await_background(st)
+            self.append(st, k, v)
+        with timer.span("select"):
+            selection = self.select(st, q)
+        with timer.span("transfer"):
+            fetched = self.fetch(st, selection)
+        with timer.span("attention"):
+            out = self.attend(st, q, fetched)
+        with timer.span("update"):
+            self.observe(st, q, fetched, selection)
+        st.attended_sum += fetched.past_tokens_per_head()
+        st.attended_steps += 1
+        if self.debug:
+            self.check_resident(st)
+        return out
+
+    def append(self, st: LayerState, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.store(st, k, v)
+
+    def select(self, st: LayerState, q: torch.Tensor) -> Any:
+        """Returns what to fetch; ``None`` means "all resident" (eviction methods, dense layers)."""
+        return None
+
+    def fetch(self, st: LayerState, selection: Any) -> Fetched:
+        return Fetched(st.k, st.v)
+
+    def attend(self, st: LayerState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
+        return attend(q, fetched.k, fetched.v, self.spec.scaling, fetched.valid)
+
+    def observe(self, st: LayerState, q: torch.Tensor, fetched: Fetched, selection: Any) -> None:
+        """After attention: update scores, evict (eviction methods) or insert into indexes."""
+
+    # ------------------------------------------------------------------ accounting
+    def resident_tokens(self, st: LayerState) -> int:
+        """Past tokens of this layer held in fast (device) memory between steps."""
+        return st.resident_tokens()
+
+    def check_resident(self, st: LayerState) -> None:
+        if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.budget:
+            raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
+                                 f"tokens, over the budget of {self.budget}")
