@@ -58,3 +58,29 @@ def assert_matches_full(model, method: str, budget=None, prompt_len: int = 48, n
     worst = max(float((a - b).abs().max()) for a, b in zip(ref.logits, out.logits))
     assert worst <= atol, f"{method}: logits differ from full attention by {worst}"
     return cache
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A byte-level tokenizer built in-process (one token per UTF-8 byte, exact round trip, BOS ``<s>``
+    added, EOS ``</s>``) with a simple chat template; for eval-suite tests that need no real model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   chat_template=chat_template, model_max_length=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return build_byte_tokenizer()

@@ -1,0 +1,70 @@
+"""M-DCI: the multi-level dynamic continuous index of IceCache (reference/icecache.md §2-§4, §10).
+
+One :class:`MDCIIndex` holds the M-DCI instances of all KV heads of one layer (one logical instance
+per (layer, KV head), stored and searched together). Pages are groups of siblings: the children of
+one tree node, sorted by their projection on one random direction and cut into pages of
+``page_size`` tokens; the search returns page ids, and the page table maps them to token ids.
+
+API::
+
+    cfg = DCIConfig(page_size=16, ratio_1=0.01, ratio_2=0.2, promotion="deterministic",
+                    search_ratio=1.5e-3, min_fov=30, prop_to_retrieve=0.8,
+                    exact_parent_threshold=3000, seed=0)          # + anchor_* knobs, see config.py
+    index = MDCIIndex.build(keys, token_ids, cfg)   # keys [H_kv, n, d] post-RoPE (bf16 ok, fp32
+                                                    # inside); token_ids LongTensor [n] = absolute
+                                                    # positions in the layer's token store
+    pages = index.search(queries, k_pages, n_seq=None)   # queries [H_q, d] -> LongTensor [H_q, K],
+                                                    # page ids of KV head i // (H_q/H_kv), -1 padded,
+                                                    # in order of each page's best token
+    kv_pages = merge_gqa(pages, group, k, mode="interleaved")  # -> LongTensor [H_kv, k], -1 padded
+    changed = index.insert(new_keys, new_token_ids)  # [H_kv, m, d], [m] -> BoolTensor
+                                                    # [H_kv, n_pages] of pages to refetch
+    index.page_table        # LongTensor [H_kv, n_pages, page_size] absolute token ids, -1 = empty
+    index.page_valid        # LongTensor [H_kv, n_pages] used slots (0 for a head's unused page ids)
+    index.n_pages           # page ids per head are 0 .. n_pages-1 (heads independent)
+    index.page_token_ids(head_idx, page_ids)      # -> LongTensor [..., page_size], -1 padded
+    index.page_valid_counts(head_idx, page_ids)   # -> LongTensor [...], 0 for page -1
+    index.token_ids, index.token_page, index.token_parent, index.level_sizes, index.max_sq_norm
+
+``page_table`` and ``page_valid`` are zero-copy views of the index's storage: re-read them after an
+insert (a split can append page ids and reallocate). Page ``j`` of head 0 and page ``j`` of head 1
+hold different tokens. Slots ``0 .. valid-1`` of a page are used, in projection order.
+
+Algorithm (what the official C code does, §3): the keys are lifted to ``T_K(k) = [k; sqrt(M^2 -
+|k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (``transform.py``); tokens are promoted to levels by
+the positional rule (``levels.py``); every point's parent is its nearest point one level up under
+``D`` (``parents.py``); every node's children form its pages (``_kernels.bulk_load``); a query
+descends from the virtual root keeping ``max(floor(n*search_ratio), min_fov)`` nodes per level and
+scores ``prop_to_retrieve`` of each expanded node's children exactly (``_kernels.search``); new
+tokens join their nearest level-1 node, full pages split in half (``_kernels.insert``).
+
+Differences from the C code, and why:
+
+- Batched layout instead of one B+-tree per node: a node's pages are a linked list of fixed
+  16-slot blocks with keys stored contiguously (``[H, P, 16, d]`` fp32), so scoring a node is a dense
+  scan. The children ``closest in projection to p(q)`` are taken as one contiguous run of
+  ``ceil(prop * c)`` children around ``p(q)`` (shrinking from the farther end) rather than by the
+  C code's 128-entry chunk walk.
+- Prefix rule: applied at every level whose nodes have children; at level 0 every scored token is a
+  candidate and the result is the ``K`` pages with the best tokens (per-page max score), which is the
+  "distinct pages in order of their best token" of §3.3 without materialising a sorted token list.
+- Parents: exact brute force (one dense matmul per chunk, batched over heads) whatever the upper
+  level's size; the approximate top-down construction search used above ``exact_parent_threshold``
+  upper points (n >~ 300k tokens with the defaults) is not implemented. The level-0 anchor shortcut
+  is implemented; anchors' candidate parents are pooled over super-blocks of 16 anchor intervals (a
+  superset of each point's own candidates) so that one matmul serves ~1000 points, and
+  ``maxchilddist`` is taken over anchors plus points accepted in a first pass.
+- Norm correction (§2): the lazy per-node correction is kept (node ``M^2`` stored per node; a node
+  receiving a token after ``M`` grew is re-projected, re-sorted and re-packed evenly into its
+  existing pages). The C code re-bulk-loads the node (possibly fewer leaves); we keep its page ids so
+  no page id is freed, and flag only pages whose token list changed.
+- Random promotion compacts empty intermediate levels (a token lives on one level only).
+- Keys in bf16 are computed in fp32; the projection direction ``u`` is drawn per index from
+  ``cfg.seed`` (the C code draws one per prefill, shared by all layers; pass the same seed to share).
+"""
+
+from .config import DCIConfig
+from .gqa import merge_gqa
+from .index import MDCIIndex
+
+__all__ = ["DCIConfig", "MDCIIndex", "merge_gqa"]

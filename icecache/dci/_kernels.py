@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -99,71 +99,186 @@ def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
 
 # ----------------------------------------------------------------------------- query (§3.3)
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def _expand(h, node, qv, qp, prop, page_keys, page_proj, page_loc, page_valid, page_next,
-            node_first, node_npages, pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, nc):
-    """Score the ``ceil(prop * c)`` children of ``node`` closest to ``p(q)`` in projection.
+CLOSEST = 128  # the C code's chunk: children are visited in runs of up to 128 around p(q)
 
-    Updates each touched page's best score, appends (score, node index) of the scored children to
-    the candidate buffers; returns the new ``(n_touched, nc)``.
+
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _dot(qv, page_keys, h, pg, sl):
+    acc = np.float32(0.0)
+    for j in range(qv.shape[0]):
+        acc += qv[j] * page_keys[h, pg, sl, j]
+    return acc
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _score(h, qv, pg, sl, upper, page_keys, page_loc, node_nleaf, best, touched, n_touched,
+           cand_s, cand_v, nc):
+    """Exact score of one child; updates its page's best score and (above level 0) the candidates.
+    Returns ``(n_touched, nc, leaf pages below the child)``."""
+    acc = _dot(qv, page_keys, h, pg, sl)
+    if best[pg] == -np.inf:
+        touched[n_touched] = pg
+        n_touched += 1
+    if acc > best[pg]:
+        best[pg] = acc
+    leaves = 0
+    if upper:
+        v = page_loc[h, pg, sl] + 1
+        cand_s[nc] = acc
+        cand_v[nc] = v
+        nc += 1
+        leaves = node_nleaf[h, v]
+    return n_touched, nc, leaves
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
+            page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
+            touched, n_touched, cand_s, cand_v, nc):
+    """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
+    index): from the position of ``p(q)`` among the node's children (sorted by projection), take
+    chunks of up to ``CLOSEST`` children, each from the side whose next child is closer to ``p(q)``
+    (topped up from the other side when that side runs out), score every child of a chunk exactly,
+    and stop after a chunk once at least ``ceil(prop * c)`` children, at least ``need_scored``
+    children and at least ``need_leaves`` level-0 pages below them have been scored (or all ``c``).
+
+    A node with ``c <= CLOSEST`` children is therefore always scored in full. Updates the page bests
+    and, above level 0, appends (score, node index) of the scored children; returns
+    ``(n_touched, nc)``.
     """
-    d = qv.shape[0]
     c = 0
     pg = node_first[h, node]
+    for _ in range(node_npages[h, node]):
+        c += page_valid[h, pg]
+        pg = page_next[h, pg]
+    if c == 0:
+        return n_touched, nc
+    if c <= CLOSEST:  # the first chunk takes every child
+        pg = node_first[h, node]
+        for _ in range(node_npages[h, node]):
+            for s in range(page_valid[h, pg]):
+                n_touched, nc, _l = _score(h, qv, pg, s, upper, page_keys, page_loc, node_nleaf,
+                                           best, touched, n_touched, cand_s, cand_v, nc)
+            pg = page_next[h, pg]
+        return n_touched, nc
+    c = 0
+    pg = node_first[h, node]
+    left = -1  # last child with projection < p(q)
     for _ in range(node_npages[h, node]):
         for s in range(page_valid[h, pg]):
             pos_pg[c] = pg
             pos_sl[c] = s
+            if page_proj[h, pg, s] < qp:
+                left = c
             c += 1
         pg = page_next[h, pg]
-    if c == 0:
-        return n_touched, nc
-    lo, hi = 0, c - 1
-    keep = min(c, max(1, int(math.ceil(prop * c - 1e-9))))
-    for _ in range(c - keep):  # drop the child farther from p(q) at either end
-        if qp - page_proj[h, pos_pg[lo], pos_sl[lo]] > page_proj[h, pos_pg[hi], pos_sl[hi]] - qp:
-            lo += 1
+    right = left + 1
+    want = max(int(math.ceil(prop * c - 1e-9)), 1)
+    scored = 0
+    leaves = 0
+    while left >= 0 or right < c:
+        if left < 0:
+            from_right = True
+        elif right >= c:
+            from_right = False
         else:
-            hi -= 1
-    for i in range(lo, hi + 1):
-        pg = pos_pg[i]
-        sl = pos_sl[i]
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += qv[j] * page_keys[h, pg, sl, j]
-        if best[pg] == -np.inf:
-            touched[n_touched] = pg
-            n_touched += 1
-        if acc > best[pg]:
-            best[pg] = acc
-        cand_s[nc] = acc
-        cand_v[nc] = page_loc[h, pg, sl] + 1
-        nc += 1
+            from_right = (page_proj[h, pos_pg[right], pos_sl[right]] - qp
+                          < qp - page_proj[h, pos_pg[left], pos_sl[left]])
+        take = CLOSEST
+        while take > 0 and (left >= 0 or right < c):
+            if (from_right and right < c) or left < 0:
+                i = right
+                right += 1
+            else:
+                i = left
+                left -= 1
+            n_touched, nc, lv = _score(h, qv, pos_pg[i], pos_sl[i], upper, page_keys, page_loc,
+                                       node_nleaf, best, touched, n_touched, cand_s, cand_v, nc)
+            leaves += lv
+            scored += 1
+            take -= 1
+        if scored >= want and scored >= need_scored and leaves >= need_leaves:
+            break
     return n_touched, nc
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def search(queries, u, group, k_pages, fov, prop, top_level, n_tokens, page_keys, page_proj,
-           page_loc, page_valid, page_next, node_first, node_npages, node_nleaf, out):
-    """Top-down best-first page search for every query head (§3.3); writes ``out [H_q, K]``.
+def _search_one(qv, qp, h, k_pages, fov, prop, top_level, n_pages_h, n_upper, max_children,
+                page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
+                node_nleaf, out_row):
+    """Top-down search of one query head (see :func:`search`); writes ``out_row [K]``."""
+    best = np.full(n_pages_h, -np.inf, dtype=np.float32)
+    touched = np.empty(n_pages_h, dtype=np.int64)
+    pos_pg = np.empty(max_children, dtype=np.int64)
+    pos_sl = np.empty(max_children, dtype=np.int64)
+    cand_s = np.empty(n_upper + 1, dtype=np.float32)
+    cand_v = np.empty(n_upper + 1, dtype=np.int64)
+    kept = np.empty(n_upper + 1, dtype=np.int64)
+    kept[0] = 0
+    n_kept = 1
+    n_touched = 0
+    child_level = top_level
+    while True:
+        upper = child_level > 0
+        need_scored = fov if upper else k_pages
+        need_leaves = k_pages if upper else 0
+        nc = 0
+        for a in range(n_kept):
+            n_touched, nc = _expand(h, kept[a], qv, qp, prop, need_scored, need_leaves, upper,
+                                    page_keys, page_proj, page_loc, page_valid, page_next,
+                                    node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
+                                    touched, n_touched, cand_s, cand_v, nc)
+        if not upper or nc == 0:
+            break
+        order = np.argsort(-cand_s[:nc])
+        n_kept = min(fov, nc)
+        leaves = 0
+        for a in range(n_kept):
+            leaves += node_nleaf[h, cand_v[order[a]]]
+        while leaves < k_pages and n_kept < nc:
+            leaves += node_nleaf[h, cand_v[order[n_kept]]]
+            n_kept += 1
+        for a in range(n_kept):
+            kept[a] = cand_v[order[a]]
+        child_level -= 1
+    # the K touched pages with the best tokens, best first (insertion into a sorted top-K)
+    top_s = np.full(k_pages, -np.inf, dtype=np.float32)
+    n_out = 0
+    for a in range(n_touched):
+        pg = touched[a]
+        s = best[pg]
+        if n_out == k_pages and s <= top_s[k_pages - 1]:
+            continue
+        j = min(n_out, k_pages - 1)
+        while j > 0 and top_s[j - 1] < s:
+            top_s[j] = top_s[j - 1]
+            out_row[j] = out_row[j - 1]
+            j -= 1
+        top_s[j] = s
+        out_row[j] = pg
+        if n_out < k_pages:
+            n_out += 1
+    for a in range(n_out, k_pages):
+        out_row[a] = -1
 
-    From the virtual root, expand the kept nodes of a level, score ~``prop`` of their children,
-    sort the found children by score and keep the smallest prefix whose level-0 pages reach
-    ``k_pages``, but at least ``min(fov, found)``. Every scored token (upper levels included) is a
-    candidate; the result is the distinct pages in order of their best token's score.
+
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
+def search(queries, u, group, k_pages, fov, prop, top_level, n_pages_h, n_upper, max_children,
+           page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
+           node_nleaf, out):
+    """Top-down page search of every query head (§3.3), in parallel over query heads; writes
+    ``out [H_q, K]``.
+
+    From the virtual root, expand the kept nodes of a level (:func:`_expand`), sort the children
+    found by score and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least
+    ``min(fov, found)``. Every scored token (upper levels included) is a candidate; the result is
+    the distinct pages in order of their best token's score. ``n_upper`` bounds the number of
+    upper-level (level >= 1) tokens, ``max_children`` the children of one node.
     """
     n_q, d = queries.shape
-    n_pages_cap = page_keys.shape[1]
-    best = np.full(n_pages_cap, -np.inf, dtype=np.float32)
-    touched = np.empty(n_pages_cap, dtype=np.int64)
-    pos_pg = np.empty(n_tokens, dtype=np.int64)
-    pos_sl = np.empty(n_tokens, dtype=np.int64)
-    cand_s = np.empty(n_tokens, dtype=np.float32)
-    cand_v = np.empty(n_tokens, dtype=np.int64)
-    kept = np.empty(n_tokens + 1, dtype=np.int64)
-    qv = np.empty(d, dtype=np.float32)
-    for qh in range(n_q):
+    for qh in prange(n_q):
         h = qh // group
+        qv = np.empty(d, dtype=np.float32)
         norm = 0.0
         qp = 0.0
         for j in range(d):
@@ -171,43 +286,30 @@ def search(queries, u, group, k_pages, fov, prop, top_level, n_tokens, page_keys
             norm += qv[j] * qv[j]
             qp += u[j] * qv[j]
         qp /= max(math.sqrt(norm), 1e-30)
-        kept[0] = 0
-        n_kept = 1
-        n_touched = 0
-        child_level = top_level
-        while True:
-            nc = 0
-            for a in range(n_kept):
-                n_touched, nc = _expand(h, kept[a], qv, qp, prop, page_keys, page_proj, page_loc,
-                                        page_valid, page_next, node_first, node_npages, pos_pg,
-                                        pos_sl, best, touched, n_touched, cand_s, cand_v, nc)
-            if child_level == 0 or nc == 0:
-                break
-            order = np.argsort(-cand_s[:nc])
-            n_kept = min(fov, nc)
-            leaves = 0
-            for a in range(n_kept):
-                leaves += node_nleaf[h, cand_v[order[a]]]
-            while leaves < k_pages and n_kept < nc:
-                leaves += node_nleaf[h, cand_v[order[n_kept]]]
-                n_kept += 1
-            for a in range(n_kept):
-                kept[a] = cand_v[order[a]]
-            child_level -= 1
-        scores = np.empty(n_touched, dtype=np.float32)
-        for a in range(n_touched):
-            scores[a] = best[touched[a]]
-        order = np.argsort(-scores, kind="mergesort")
-        n_out = min(k_pages, n_touched)
-        for a in range(n_out):
-            out[qh, a] = touched[order[a]]
-        for a in range(n_out, k_pages):
-            out[qh, a] = -1
-        for a in range(n_touched):
-            best[touched[a]] = -np.inf
+        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, top_level, n_pages_h[h], n_upper,
+                    max_children, page_keys, page_proj, page_loc, page_valid, page_next,
+                    node_first, node_npages, node_nleaf, out[qh])
 
 
 # ----------------------------------------------------------------------------- insert (§3.4)
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def norms_and_proj(keys, u):
+    """Squared norms ``|k|^2`` and ``u_{1:d}.k`` of ``keys [H, n, d]`` (fp32), in one pass."""
+    heads, n, d = keys.shape
+    sq = np.empty((heads, n), dtype=np.float32)
+    uk = np.empty((heads, n), dtype=np.float32)
+    for h in range(heads):
+        for i in range(n):
+            acc = np.float32(0.0)
+            proj = np.float32(0.0)
+            for j in range(d):
+                acc += keys[h, i, j] * keys[h, i, j]
+                proj += u[j] * keys[h, i, j]
+            sq[h, i] = acc
+            uk[h, i] = proj
+    return sq, uk
+
 
 @njit(cache=True, nogil=True)
 def _node_pages(h, node, page_next, node_first, node_npages):
@@ -223,7 +325,7 @@ def _node_pages(h, node, page_next, node_first, node_npages):
 def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc, page_abs,
                page_valid, page_next, node_first, node_npages, node_m2, tok_page, tok_slot, changed):
     """Lazy ``M`` correction of one node (§2): re-project its children with the head's new ``M^2``,
-    re-sort them and re-pack them evenly into the node's pages (all flagged as changed)."""
+    re-sort them and re-pack them evenly into the node's pages; pages whose tokens moved are flagged."""
     pages = _node_pages(h, node, page_next, node_first, node_npages)
     c = 0
     for pg in pages:
@@ -248,8 +350,12 @@ def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc,
     left = pages.size
     for pg in pages:
         take = (c - pos) // left
+        if take != page_valid[h, pg]:
+            changed[h, pg] = True
         for s in range(take):
             i = order[pos + s]
+            if page_loc[h, pg, s] != loc[i]:
+                changed[h, pg] = True
             page_keys[h, pg, s] = keys[i]
             page_uk[h, pg, s] = uk[i]
             page_proj[h, pg, s] = proj[i]
@@ -261,7 +367,6 @@ def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc,
             page_loc[h, pg, s] = -1
             page_abs[h, pg, s] = -1
         page_valid[h, pg] = take
-        changed[h, pg] = True
         pos += take
         left -= 1
     node_m2[h, node] = m2

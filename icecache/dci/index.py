@@ -15,7 +15,7 @@ from . import _kernels
 from .config import DCIConfig
 from .levels import assign_levels, level_sizes
 from .parents import assign_parents
-from .transform import lift_height, random_direction, sq_norms, transform_keys
+from .transform import random_direction
 
 
 def _grow(arr: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
@@ -67,9 +67,11 @@ class MDCIIndex:
         self.m2 = np.zeros(heads, dtype=np.float32)
         self.u = random_direction(dim + 1, cfg.seed).numpy()
         self.top_level = 0
+        self.n_upper = 0  # tokens on levels >= 1 (inserted tokens are level 0)
+        self._max_children = 0  # bound on the children of one node (search scratch size)
         self._l1_loc = np.zeros(0, dtype=np.int64)
-        self._l1_keys = torch.zeros(heads, 0, dim)
-        self._l1_sq = torch.zeros(heads, 0)
+        self._l1_keys_t = np.zeros((heads, dim, 0), dtype=np.float32)  # level-1 keys, [H, d, n1]
+        self._l1_sq = np.zeros((heads, 0), dtype=np.float32)
 
     # ------------------------------------------------------------------------- construction
 
@@ -85,41 +87,44 @@ class MDCIIndex:
         heads, n, dim = keys.shape
         if n < 1:
             raise ValueError("cannot build an M-DCI index over zero keys")
-        keys32 = keys.float().contiguous()
-        sq = sq_norms(keys32)
-        m2 = sq.max(-1).values
+        keys32 = keys.detach().to(torch.float32).contiguous()
         self = cls(cfg, heads, dim, n, token_cap=n + max(256, n // 8), page_cap=1)
-        u = torch.from_numpy(self.u)
-        lifted = transform_keys(keys32, m2)
+        k_np = keys32.numpy()
+        sq, uk = _kernels.norms_and_proj(k_np, self.u)
+        m2 = sq.max(1)
+        height = np.sqrt(np.maximum(m2[:, None] - sq, 0.0))
         level = assign_levels(n, cfg)
-        parent = assign_parents(lifted, m2, level, cfg)
-        self._bulk_load(keys32, lifted, u, sq, m2, token_ids, level, parent)
+        lifted = torch.cat([keys32, torch.from_numpy(height).unsqueeze(-1)], dim=-1)
+        parent = assign_parents(lifted, torch.from_numpy(m2), level, cfg)
+        proj = uk + self.u[-1] * height
+        self._bulk_load(k_np, uk, proj, sq, m2, token_ids, level, parent)
         return self
 
-    def _bulk_load(self, keys32, lifted, u, sq, m2, token_ids, level, parent) -> None:
+    def _bulk_load(self, k_np, uk, proj, sq, m2, token_ids, level, parent) -> None:
         """Fill the token, node and page arrays from the levels and parents (§3.2, "Pages")."""
         n, s = self.n, self.cfg.page_size
-        self.tok_abs[:n] = token_ids.to(torch.int64).numpy()
+        self.tok_abs[:n] = token_ids.detach().to(torch.int64).numpy()
         self.level[:n] = level
-        self.sq[:, :n] = sq.numpy()
+        self.sq[:, :n] = sq
         self.parent[:, :n] = parent
-        self.m2[:] = m2.numpy()
+        self.m2[:] = m2
         self.node_m2[:] = self.m2[:, None]
         self.top_level = int(level.max())
         children = np.stack([np.bincount(p, minlength=n + 1) for p in parent])
         pages = int(((children + s - 1) // s).sum(1).max())
+        self._max_children = int(children.max())
         self._ensure_pages(pages + max(64, pages // 8))
-        uk = (keys32 @ u[:-1]).numpy()
-        proj = (lifted @ u).numpy()
-        _kernels.bulk_load(parent, proj, uk, keys32.numpy(), self.tok_abs, s, self.page_keys,
+        _kernels.bulk_load(parent, proj, uk, k_np, self.tok_abs, s, self.page_keys,
                            self.page_uk, self.page_proj, self.page_loc, self.page_abs,
                            self.page_valid_np, self.page_next, self.page_node, self.node_first,
                            self.node_npages, self.tok_page, self.tok_slot, self.n_pages_h)
-        by_level = np.argsort(level, kind="stable").astype(np.int64)
+        upper = np.flatnonzero(level > 0)
+        by_level = upper[np.argsort(level[upper], kind="stable")].astype(np.int64)
+        self.n_upper = int(upper.size)
         _kernels.leaf_page_counts(parent, level, by_level, self.node_npages, self.node_nleaf)
         self._l1_loc = np.flatnonzero(level == 1).astype(np.int64)
-        self._l1_keys = keys32[:, torch.from_numpy(self._l1_loc)].contiguous()
-        self._l1_sq = sq[:, torch.from_numpy(self._l1_loc)].contiguous()
+        self._l1_keys_t = np.ascontiguousarray(k_np[:, self._l1_loc].transpose(0, 2, 1))
+        self._l1_sq = np.ascontiguousarray(self.sq[:, self._l1_loc])
 
     # ------------------------------------------------------------------------- capacity
 
@@ -153,13 +158,13 @@ class MDCIIndex:
         n_q = queries.shape[0]
         if n_q % self.heads:
             raise ValueError(f"H_q={n_q} is not a multiple of H_kv={self.heads}")
-        q = queries.float().contiguous().numpy()
+        q = np.ascontiguousarray(queries.detach().to(torch.float32).numpy())
         out = np.empty((n_q, k_pages), dtype=np.int64)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
-                        self.top_level, self.n, self.page_keys, self.page_proj, self.page_loc,
-                        self.page_valid_np, self.page_next, self.node_first, self.node_npages,
-                        self.node_nleaf, out)
+                        self.top_level, self.n_pages_h, self.n_upper, self._max_children,
+                        self.page_keys, self.page_proj, self.page_loc, self.page_valid_np,
+                        self.page_next, self.node_first, self.node_npages, self.node_nleaf, out)
         return torch.from_numpy(out)
 
     # ------------------------------------------------------------------------- insert
@@ -172,37 +177,38 @@ class MDCIIndex:
         every (head, page) whose content changed, new pages included, so stale copies are refetched.
         """
         heads, m, _ = keys.shape
-        keys32 = keys.float().contiguous()
-        sq = sq_norms(keys32)
-        m2 = torch.maximum(torch.from_numpy(self.m2), sq.max(-1).values)
-        u = torch.from_numpy(self.u)
-        uk = keys32 @ u[:-1]
-        parent = self._insert_parents(keys32, sq, m2)
+        k_np = np.ascontiguousarray(keys.detach().to(torch.float32).numpy())
+        sq, uk = _kernels.norms_and_proj(k_np, self.u)
+        np.maximum(self.m2, sq.max(1), out=self.m2)
+        parent = self._insert_parents(k_np, sq)
         self._ensure_tokens(self.n + m)
         self._ensure_pages(int(self.n_pages_h.max()) + m)
-        self.m2[:] = m2.numpy()
         loc = np.arange(self.n, self.n + m, dtype=np.int64)
-        abs_ids = token_ids.to(torch.int64).numpy()
+        abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        _kernels.insert(keys32.numpy(), uk.numpy(), sq.numpy(), parent, loc, abs_ids, self.m2,
-                        np.float32(self.u[-1]), self.cfg.page_size, self.sq, self.parent,
-                        self.page_keys, self.page_uk, self.page_proj, self.page_loc, self.page_abs,
-                        self.page_valid_np, self.page_next, self.page_node, self.node_first,
-                        self.node_npages, self.node_nleaf, self.node_m2, self.tok_page,
-                        self.tok_slot, self.n_pages_h, changed)
+        _kernels.insert(k_np, uk, sq, parent, loc, abs_ids, self.m2, np.float32(self.u[-1]),
+                        self.cfg.page_size, self.sq, self.parent, self.page_keys, self.page_uk,
+                        self.page_proj, self.page_loc, self.page_abs, self.page_valid_np,
+                        self.page_next, self.page_node, self.node_first, self.node_npages,
+                        self.node_nleaf, self.node_m2, self.tok_page, self.tok_slot,
+                        self.n_pages_h, changed)
         self.n += m
+        grown = int(np.take_along_axis(self.node_npages, parent, 1).max()) * self.cfg.page_size
+        self._max_children = max(self._max_children, grown)
         return torch.from_numpy(changed[:, : self.n_pages])
 
-    def _insert_parents(self, keys32: torch.Tensor, sq: torch.Tensor, m2: torch.Tensor) -> np.ndarray:
-        """Nearest level-1 node under ``D`` of each new key, as node indices ``[H, m]`` (0 = root)."""
-        heads, m, _ = keys32.shape
+    def _insert_parents(self, k_np: np.ndarray, sq: np.ndarray) -> np.ndarray:
+        """Nearest level-1 node of each new key under ``D`` (exact, one matmul per head; §3.4):
+        the largest ``a.b + sqrt(M^2-|a|^2) sqrt(M^2-|b|^2)``. Node 0 (root) without a level 1."""
         if self._l1_loc.size == 0:
-            return np.zeros((heads, m), dtype=np.int64)
-        sim = torch.baddbmm(lift_height(sq, m2[:, None]).unsqueeze(-1)
-                            * lift_height(self._l1_sq, m2[:, None]).unsqueeze(1),
-                            keys32, self._l1_keys.transpose(1, 2))
-        return self._l1_loc[sim.argmax(-1).numpy()] + 1
+            return np.zeros(sq.shape, dtype=np.int64)
+        m2 = self.m2[:, None]
+        h_new = np.sqrt(np.maximum(m2 - sq, 0.0))
+        h_l1 = np.sqrt(np.maximum(m2 - self._l1_sq, 0.0))
+        sim = np.matmul(k_np, self._l1_keys_t)
+        sim += h_new[:, :, None] * h_l1[:, None, :]
+        return self._l1_loc[sim.argmax(-1)] + 1
 
     # ------------------------------------------------------------------------- page views
 

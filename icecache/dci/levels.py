@@ -57,7 +57,8 @@ def _random_levels(n: int, ratio_1: float, ratio_2: float, seed: int) -> np.ndar
         alive = alive[draw <= p]
         level[alive] += 1
         p = ratio_2
-    return level
+    # a token lives on one level only, so a middle level can come out empty: close the gaps
+    return np.unique(level, return_inverse=True)[1].astype(np.int32)
 
 
 def assign_levels(n: int, cfg: DCIConfig) -> np.ndarray:

@@ -35,39 +35,37 @@ def exact_parents(lifted: torch.Tensor, points: np.ndarray, uppers: np.ndarray) 
     return out
 
 
-@njit(cache=True, nogil=True)
-def _anchor_candidates(anchor_parent: np.ndarray, window: int, n_upper: int) -> np.ndarray:
-    """Distinct parents of the anchors ``j-window+1 .. j+window`` for every block ``j`` and head.
+_SUPERBLOCK = 16  # anchor intervals whose points share one candidate set and one matmul
 
-    The level-0 points strictly between anchor ``j`` and anchor ``j+1`` all see the same ``window``
-    anchors on each side, so a block shares one candidate set. Returns ``[H, n_anchor, C]`` positions
-    into the upper level, padded with -1.
+
+@njit(cache=True, nogil=True)
+def _anchor_candidates(anchor_parent: np.ndarray, window: int, n_upper: int, block: int) -> np.ndarray:
+    """Distinct parents of the anchors seen by each super-block of ``block`` anchor intervals.
+
+    A level-0 point between anchors ``j`` and ``j+1`` sees anchors ``j-window+1 .. j+window``; a
+    super-block ``[J0, J1)`` takes the union ``J0-window+1 .. J1-1+window`` (a superset of each of
+    its points' own candidates). Returns ``[H, n_super, C]`` upper positions, padded with -1.
     """
     heads, n_anchor = anchor_parent.shape
-    cap = min(2 * window, n_upper)
-    cand = np.full((heads, n_anchor, cap), -1, dtype=np.int64)
+    n_super = (n_anchor + block - 1) // block
+    cap = min(2 * window + block, n_upper)
+    cand = np.full((heads, n_super, cap), -1, dtype=np.int64)
     seen = np.full(n_upper, -1, dtype=np.int64)
     width = 0
     for h in range(heads):
-        for j in range(n_anchor):
-            stamp = h * n_anchor + j
+        for b in range(n_super):
+            stamp = h * n_super + b
             c = 0
-            for a in range(max(0, j - window + 1), min(n_anchor, j + window + 1)):
+            lo = max(0, b * block - window + 1)
+            hi = min(n_anchor, min(n_anchor, (b + 1) * block) - 1 + window + 1)
+            for a in range(lo, hi):
                 p = anchor_parent[h, a]
                 if seen[p] != stamp:
                     seen[p] = stamp
-                    cand[h, j, c] = p
+                    cand[h, b, c] = p
                     c += 1
             width = max(width, c)
     return cand[:, :, :width]
-
-
-def _blocked_nonanchors(level0: np.ndarray, interval: int) -> np.ndarray:
-    """Non-anchor level-0 points as ``[n_anchor, interval-1]`` local indices (-1 padded)."""
-    n_anchor = -(-len(level0) // interval)
-    padded = np.full(n_anchor * interval, -1, dtype=np.int64)
-    padded[: len(level0)] = level0
-    return padded.reshape(n_anchor, interval)[:, 1:]
 
 
 def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, uppers: np.ndarray,
@@ -75,62 +73,63 @@ def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, u
     """Anchor shortcut for a large level 0 (§3.2 step 3); returns positions into ``uppers``, ``[H, n0]``.
 
     Anchors (every ``anchor_interval``-th level-0 point in token order) get exact parents. Every other
-    point takes the closest ``P`` among the distinct parents of ``anchor_window`` anchors on each side
-    and keeps it if ``D <= anchor_threshold * maxchilddist(P)``; otherwise it falls back to the exact
-    search. ``maxchilddist(P)`` is measured over ``P``'s anchor children (the official code updates
-    it while children arrive; using anchors only is slightly stricter).
+    point takes the closest ``P`` among the distinct parents of the anchors around it (``anchor_window``
+    on each side, pooled over a super-block of ``_SUPERBLOCK`` intervals so that one dense matmul
+    serves ~1000 points) and keeps it if ``D <= anchor_threshold * maxchilddist(P)``; otherwise it
+    falls back to the exact search. ``maxchilddist(P)`` is measured over ``P``'s anchor children and
+    the points accepted in a first pass (the official code updates it while children arrive).
+    Where a super-block's candidates are every upper point, ``P`` is the exact parent and is kept
+    (the fallback would find the same point).
     """
     heads = lifted.shape[0]
     interval = cfg.anchor_interval
     anchors = level0[::interval]
     anchor_par = exact_parents(lifted, anchors, uppers)  # [H, nA]
     up = lifted[:, torch.from_numpy(uppers)]  # [H, nu, d+1]
-    anchor_sim = (lifted[:, torch.from_numpy(anchors)] * up.gather(
-        1, anchor_par.unsqueeze(-1).expand(-1, -1, up.shape[-1]))).sum(-1)
+    cand = torch.from_numpy(_anchor_candidates(anchor_par.numpy(), cfg.anchor_window, len(uppers),
+                                               _SUPERBLOCK))  # [H, n_super, C]
+    n_super, width = cand.shape[1], cand.shape[2]
+    span = interval * _SUPERBLOCK
+    n0 = len(level0)
+    pad = n_super * span - n0
+    pts = lifted[:, torch.from_numpy(np.concatenate([level0, np.full(pad, level0[-1])]))]
+    pts = pts.view(heads * n_super, span, -1)
+    cand_keys = up[torch.arange(heads)[:, None, None], cand.clamp_min(0)]  # [H, n_super, C, d+1]
+    cand_keys = cand_keys.view(heads * n_super, width, -1).transpose(1, 2)
+    invalid = (cand < 0).view(heads * n_super, 1, width)
+    best_sim = torch.empty(heads * n_super, span)
+    arg = torch.empty(heads * n_super, span, dtype=torch.int64)
+    step = max(1, _CHUNK_ELEMS // (span * width))
+    for b in range(0, heads * n_super, step):
+        sim = torch.bmm(pts[b:b + step], cand_keys[b:b + step])
+        sim.masked_fill_(invalid[b:b + step], float("-inf"))
+        torch.max(sim, -1, out=(best_sim[b:b + step], arg[b:b + step]))
+    result = cand.view(heads * n_super, width).gather(1, arg).view(heads, -1)[:, :n0]
+    dist = (m2[:, None] - best_sim.view(heads, -1))[:, :n0]
+    complete = ((cand >= 0).sum(-1) == len(uppers)).repeat_interleave(span, 1)[:, :n0]  # [H, n0]
+    is_anchor = torch.zeros(n0, dtype=torch.bool)
+    is_anchor[::interval] = True
     max_child = torch.full((heads, len(uppers)), float("-inf"))
-    max_child.scatter_reduce_(1, anchor_par, m2[:, None] - anchor_sim, reduce="amax")
-
-    cand = torch.from_numpy(_anchor_candidates(anchor_par.numpy(), cfg.anchor_window, len(uppers)))
-    blocks = torch.from_numpy(_blocked_nonanchors(level0, interval))  # [nA, I-1]
-    result = torch.empty(heads, len(level0), dtype=torch.int64)
-    result[:, ::interval] = anchor_par
-    block_rows = max(1, _CHUNK_ELEMS // max(1, heads * blocks.shape[1] * max(1, cand.shape[-1])))
-    fallback = []
-    for j0 in range(0, blocks.shape[0], block_rows):
-        blk = blocks[j0:j0 + block_rows]
-        cnd = cand[:, j0:j0 + block_rows]  # [H, b, C]
-        pts = lifted[:, blk.clamp_min(0)]  # [H, b, I-1, d+1]
-        ckeys = up[torch.arange(heads)[:, None, None], cnd.clamp_min(0)]  # [H, b, C, d+1]
-        sim = pts @ ckeys.transpose(-1, -2)  # [H, b, I-1, C]
-        sim.masked_fill_((cnd < 0).unsqueeze(2), float("-inf"))
-        best_sim, best_c = sim.max(-1)
-        par = cnd.gather(2, best_c)  # [H, b, I-1]
-        dist = m2[:, None, None] - best_sim
-        bad = dist > cfg.anchor_threshold * max_child.gather(1, par.flatten(1)).view_as(par)
-        # local -> position in level0: block j, column c -> j * interval + c + 1
-        pos = (torch.arange(j0, j0 + blk.shape[0])[:, None] * interval
-               + torch.arange(1, interval)[None, :])
-        valid = blk >= 0
-        pos_v = pos[valid]
-        result[:, pos_v] = par[:, valid]
-        fallback.append(pos_v[bad[:, valid].any(0)])
-    redo = torch.cat(fallback) if fallback else torch.empty(0, dtype=torch.int64)
-    if redo.numel():
-        redo_np = redo.numpy()
-        result[:, redo] = exact_parents(lifted, level0[redo_np], uppers)
+    max_child.scatter_reduce_(1, result[:, is_anchor], dist[:, is_anchor], reduce="amax")
+    for _ in range(2):  # second pass: maxchilddist grown by the points accepted in the first
+        ok = complete | (dist <= cfg.anchor_threshold * max_child.gather(1, result))
+        max_child.scatter_reduce_(1, result, dist.masked_fill(~ok, float("-inf")), reduce="amax")
+    redo = np.flatnonzero((~ok).any(0).numpy())
+    if redo.size:
+        result[:, torch.from_numpy(redo)] = exact_parents(lifted, level0[redo], uppers)
     return result
 
 
 def assign_parents(lifted: torch.Tensor, m2: torch.Tensor, level: np.ndarray,
                    cfg: DCIConfig) -> np.ndarray:
-    """Parent node index of every token for every head: int32 ``[H, n]`` (0 = virtual root).
+    """Parent node index of every token for every head: int64 ``[H, n]`` (0 = virtual root).
 
     Exact brute force over the upper level whatever its size (the official code switches to an
     approximate top-down search above ``exact_parent_threshold`` upper points; see the package
     docstring), with the anchor shortcut at a level 0 larger than ``exact_parent_threshold``.
     """
     heads, n = lifted.shape[:2]
-    parent = np.zeros((heads, n), dtype=np.int32)
+    parent = np.zeros((heads, n), dtype=np.int64)
     top = int(level.max()) if n else 0
     for t in range(top - 1, -1, -1):
         points = np.flatnonzero(level == t)

@@ -37,7 +37,7 @@ class MethodLayer(compat.CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.state.n_seen += key_states.shape[-2]
+        # the logical length grows in KVCache.run_attention, token by token as the method consumes them
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -93,13 +93,16 @@ class KVCache(compat.Cache):
         """Dispatches one layer's attention to the method (tensors batch-squeezed)."""
         st, method = self.states[layer_idx], self.method
         if self.phase == "prefill":
+            st.n_seen += q.shape[1]
             out = method.prefill(st, q, k, v)
             method.finish_prefill(st)
             return out
         if self.phase != "decode":
             raise RuntimeError("attention called before begin_prefill()")
-        outs = [method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer)
-                for i in range(q.shape[1])]
+        outs = []
+        for i in range(q.shape[1]):
+            st.n_seen += 1
+            outs.append(method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------ reporting
@@ -109,6 +112,11 @@ class KVCache(compat.Cache):
 
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]
+
+    def max_budgeted_resident(self) -> int:
+        """The largest resident set (past tokens in fast memory) over the budgeted layers."""
+        return max((self.method.resident_tokens(s) for s in self.states if self.method.is_budgeted(s.layer_idx)),
+                   default=0)
 
     def wait_background(self) -> None:
         for s in self.states:

@@ -14,6 +14,15 @@ from .method import KVMethod, ModelSpec
 METHODS: dict[str, str] = {
     "full": "baselines.full:FullCache",
     "streaming_llm": "baselines.streaming_llm:StreamingLLM",
+    "h2o": "baselines.h2o:H2O",
+    "snapkv": "baselines.snapkv:SnapKV",
+    "quest": "baselines.quest:Quest",
+    "topk": "baselines.topk_oracle:TopKOracle",
+    "pqcache": "baselines.pqcache:PQCache",
+    "omnikv": "baselines.omnikv:OmniKV",
+    "magicpig": "baselines.magicpig:MagicPIG",
+    "icecache": "icecache.method:IceCache",
+    "icecache_reuse": "icecache.method:IceCacheReuse",
 }
 
 

@@ -1,0 +1,178 @@
+"""H2O — Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
+Large Language Models", NeurIPS 2023); reference/baselines.md §1.1 and §1.8.
+
+Each KV head keeps ``budget - heavy`` recent tokens and the ``heavy = heavy_ratio * budget`` other tokens
+with the largest accumulated attention ``S_j = sum over queries and heads of softmax probabilities``
+(no normalisation by how many queries could see ``j``, as the official real-drop code).
+
+- Prefill: exact causal attention for the output; the scores are the column sums of the causal softmax,
+  computed in chunks of ``chunk_size`` queries so no ``L x L`` matrix is ever materialised; then the cache
+  is cut to heavy + recent per KV head in one shot.
+- Decode: the new token is appended, attention probabilities are computed explicitly (one query, cheap),
+  added to the scores, and the lowest-scored non-recent token of each head is dropped (one per step);
+  the dropped token's score is discarded.
+- GQA: scores are kept per query head (``[H_kv, G, n]``) and aggregated over the ``G`` query heads of a KV
+  head only to rank tokens (``group_agg``: mean as kvpress, sum or max). Token sets differ per KV head,
+  so keys/values are stored ``[H_kv, n, d]`` with per-head original positions ``pos: [H_kv, n]``.
+- Keys keep their original RoPE positions (the real-drop code caches post-RoPE keys, no re-rotation).
+
+The per-head store helpers here are also used by :mod:`baselines.snapkv`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, causal_attention
+from icecache.kv.attention import attention_logits, expand_heads
+
+GROUP_AGGREGATIONS = ("mean", "sum", "max")
+
+
+class PerHeadState(LayerState):
+    """A layer whose resident token set differs per KV head: ``k, v: [H_kv, n, d]``, ``pos: [H_kv, n]``.
+    ``score`` holds H2O's accumulated attention ``[H_kv, G, n]`` (unused by SnapKV); ``n_prompt`` the
+    prompt length."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.score: torch.Tensor | None = None
+        self.probs: torch.Tensor | None = None  # last decode step's probabilities [H_q, m]
+        self.n_prompt = 0
+
+
+def store_per_head(st: PerHeadState, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Appends ``k, v: [H_kv, n, d]`` to every head, with per-head original positions."""
+    pos = torch.arange(st.n_seen - k.shape[1], st.n_seen, device=k.device).expand(k.shape[0], -1)
+    if st.k is None:
+        st.k, st.v, st.pos = k, v, pos
+    else:
+        st.k, st.v = torch.cat([st.k, k], dim=1), torch.cat([st.v, v], dim=1)
+        st.pos = torch.cat([st.pos, pos], dim=1)
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[h, idx[h]]`` for ``x: [H, n, d]`` and ``idx: [H, m]``."""
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def keep_per_head(st: PerHeadState, idx: torch.Tensor) -> None:
+    """Keeps, per KV head ``h``, the resident entries ``idx[h]`` (``[H_kv, m]``, in store order)."""
+    st.k, st.v, st.pos = gather_tokens(st.k, idx), gather_tokens(st.v, idx), st.pos.gather(1, idx)
+    if st.score is not None:
+        st.score = st.score.gather(2, idx[:, None].expand(-1, st.score.shape[1], -1))
+
+
+def aggregate_group(scores: torch.Tensor, n_kv_heads: int, how: str) -> torch.Tensor:
+    """``[H_q, n]`` (or ``[H_kv, G, n]``) per-query-head scores -> ``[H_kv, n]`` per KV head."""
+    grouped = scores.reshape(n_kv_heads, -1, scores.shape[-1])
+    if how == "max":
+        return grouped.amax(1)
+    return grouped.sum(1) if how == "sum" else grouped.mean(1)
+
+
+def attention_column_sums(q: torch.Tensor, k: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
+    """``[H_q, n]`` fp32: for each key ``j``, the sum over queries ``i >= j`` of the causal softmax
+    ``a_{h,i,j}``, computed ``chunk_size`` queries at a time (memory ``H_q x chunk_size x n``; the GQA
+    group shares one matmul with its KV head, so keys are never repeated per query head)."""
+    (n_q, n, d), n_kv = q.shape, k.shape[0]
+    queries, keys = q.float().view(n_kv, -1, n, d), k.float()
+    sums = torch.zeros(n_q, n, dtype=torch.float32, device=q.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        chunk = end - start
+        logits = torch.matmul(queries[:, :, start:end].reshape(n_kv, -1, d), keys[:, :end].transpose(1, 2))
+        probs = logits.mul_(scaling).view(n_q, chunk, end)
+        future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu_(1)
+        probs[:, :, start:].masked_fill_(future, float("-inf"))
+        probs.sub_(probs.amax(-1, keepdim=True)).exp_()  # unnormalised softmax, in place
+        inv_norm = probs.sum(-1).reciprocal_()  # [H_q, chunk]
+        sums[:, :end] += torch.bmm(inv_norm[:, None, :], probs)[:, 0]
+    return sums
+
+
+@dataclass
+class H2O(KVMethod):
+    """Heavy hitters + recent window, evicted per KV head at every step.
+
+    Args:
+        budget: resident (and attended) past tokens per KV head: heavy + recent.
+        heavy_ratio: share of the budget for heavy hitters (paper: 1:1 heavy:recent, so 0.5);
+            heavy = floor(heavy_ratio * budget), recent = budget - heavy.
+        group_agg: how the G query heads of a KV head combine their scores: mean (kvpress), sum, max.
+        chunk_size: queries per chunk when computing the prefill column sums.
+    """
+
+    heavy_ratio: float = 0.5
+    group_agg: str = "mean"
+    chunk_size: int = 512
+    name: ClassVar[str] = "h2o"
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError("h2o needs a budget (heavy + recent tokens per head), e.g. budget=64")
+        if not 0.0 <= self.heavy_ratio < 1.0:
+            raise BudgetError(f"h2o: heavy_ratio must be in [0, 1) so the recent window is not empty, "
+                              f"got {self.heavy_ratio}")
+        if self.group_agg not in GROUP_AGGREGATIONS:
+            raise ValueError(f"h2o: group_agg must be one of {GROUP_AGGREGATIONS}, got '{self.group_agg}'")
+        if self.chunk_size <= 0:
+            raise ValueError(f"h2o: chunk_size must be positive, got {self.chunk_size}")
+
+    @property
+    def heavy_size(self) -> int:
+        return int(self.budget * self.heavy_ratio)
+
+    @property
+    def recent_size(self) -> int:
+        return self.budget - self.heavy_size
+
+    def new_state(self, layer_idx: int) -> PerHeadState:
+        return PerHeadState(layer_idx)
+
+    def store(self, st: PerHeadState, k: torch.Tensor, v: torch.Tensor) -> None:
+        store_per_head(st, k, v)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, st: PerHeadState, q, k, v) -> torch.Tensor:
+        out = causal_attention(q, k, v, self.spec.scaling)
+        self.store(st, k, v)
+        st.n_prompt = k.shape[1]
+        sums = attention_column_sums(q, k, self.spec.scaling, self.chunk_size)
+        st.score = sums.view(self.spec.n_kv_heads, self.spec.group, -1)
+        return out
+
+    def finish_prefill(self, st: PerHeadState) -> None:
+        """Cuts the prompt to the ``heavy`` best-scored older tokens + the ``recent`` last ones."""
+        n = st.k.shape[1]
+        if n <= self.budget:
+            return
+        older = n - self.recent_size
+        ranked = aggregate_group(st.score[..., :older], self.spec.n_kv_heads, self.group_agg)
+        heavy = ranked.topk(self.heavy_size, dim=-1).indices.sort(-1).values
+        recent = torch.arange(older, n, device=heavy.device).expand(heavy.shape[0], -1)
+        keep_per_head(st, torch.cat([heavy, recent], dim=1))
+
+    # ------------------------------------------------------------------ decode
+    def attend(self, st: PerHeadState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
+        """Explicit softmax (H2O needs the probabilities); they are kept for :meth:`observe`."""
+        probs = attention_logits(q, fetched.k, self.spec.scaling).softmax(-1)  # [H_q, 1, m]
+        st.probs = probs[:, 0]
+        return torch.matmul(probs, expand_heads(fetched.v, q.shape[0]).float()).to(q.dtype)
+
+    def observe(self, st: PerHeadState, q, fetched, selection) -> None:
+        """Adds this step's probabilities to the scores, then drops each head's lowest-scored
+        non-recent token once the head holds more than ``budget`` past tokens."""
+        h_kv, m = st.k.shape[0], st.k.shape[1]
+        st.score = torch.cat([st.score, st.score.new_zeros(h_kv, st.score.shape[1], 1)], dim=2)
+        st.score -= st.probs.view(h_kv, -1, m)
+        st.probs = None
+        if m <= self.budget:
+            return
+        older = m - self.recent_size
+        ranked = aggregate_group(st.score[..., :older], h_kv, self.group_agg)
+        victim = ranked.argmin(-1, keepdim=True)  # [H_kv, 1]
+        slots = torch.arange(m, device=victim.device).expand(h_kv, -1)
+        keep_per_head(st, slots[slots != victim].view(h_kv, m - 1))

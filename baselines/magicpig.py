@@ -1,0 +1,298 @@
+"""MagicPIG (Chen et al., "MagicPIG: LSH Sampling for Efficient LLM Generation", ICLR 2025; official
+code ``Infini-AI-Lab/MagicPIG`` v0.2, ``models/attnserver.py`` + ``library/lsh``).
+
+Reference: reference/baselines.md §1.5 and the budget mapping of §1.8.
+
+* Dense layers (official ``[0, 16]`` for 32 layers, scaled to depth: ``0`` and ``n_layers // 2``,
+  i.e. 0 and 15 for SmolLM2's 30 layers) keep and attend everything.
+* Sparse layers, end of prefill: the ``n_sink`` first and ``local`` last prompt tokens stay resident
+  (the "GPU part", which also keeps every generated token, as the official generation buffer); the
+  middle tokens go to the offload store. Keys are centred per KV head (``mu`` = mean offloaded key),
+  hashed by SimHash (``K`` sign bits per table, ``L`` tables, seeded Gaussian projections shared by
+  all layers and heads as the official ``hash_func``), and each table is sorted into buckets — on the
+  background worker, awaited at the layer's first decode.
+* Decode: the query of each *query* head is hashed with its KV head's tables; candidates ``S_h`` =
+  keys colliding in at least ``min_collisions`` of the ``L`` tables. With ``p_j = (1 - theta_j/pi)^K``
+  (``theta_j`` = angle between ``q_h`` and the centred key), the inclusion probability is
+  ``w_j = P[Binomial(L, p_j) >= min_collisions]``; the sampled part is the self-normalised importance
+  attention ``softmax(q.k_j / sqrt(d) - log w_j)`` over ``S_h``, computed where the store lives (the
+  official CPU part), and merged with the exact part by log-sum-exp.
+
+Budget ``B`` (§1.8) = exact part + expected sample size: ``local = min(local_window, (B - n_sink) // 2)``
+and, with ``calibrate=True``, each sparse layer picks the smallest ``K`` in ``[0, max_bits]`` whose
+expected sample size for the last prompt query (mean over heads of ``sum_j w_j``) is at most
+``B - n_sink - local`` (the reference calibrates ``(K, L)`` on a dev set; we calibrate ``K`` per layer
+on the prompt at ``L`` fixed). The effective tokens (exact part + actual ``|S_h|``) are logged.
+"Budget covers the context" for MagicPIG: when every offloaded token fits the sample target, ``K = 0``
+is chosen, every key collides in every table, ``w_j = 1`` and the method attends everything exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import torch
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv.attention import attention_logits, expand_heads
+
+OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
+OFFICIAL_DEPTH = 32
+
+
+def to_store(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
+    host = x.detach().to("cpu", copy=True)
+    return host.pin_memory() if x.is_cuda else host
+
+
+# ---------------------------------------------------------------------------------------- SimHash
+def simhash(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., L]`` (int64): table ``l``'s code is the ``K``-bit sign pattern of ``x . proj[:, l]``;
+    ``x: [..., d]``, ``proj: [d, L, K]``."""
+    bits = torch.einsum("...d,dlk->...lk", x.float(), proj.float()) > 0
+    return (bits.long() << torch.arange(proj.shape[-1], device=x.device)).sum(-1)
+
+
+def collision_probability(cos: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """Probability that one ``K``-bit SimHash table puts two vectors of cosine ``cos`` in one bucket."""
+    theta = torch.arccos(cos.double().clamp(-1.0, 1.0))
+    return (1.0 - theta / math.pi) ** n_bits
+
+
+def inclusion_probability(p: torch.Tensor, n_tables: int, min_collisions: int) -> torch.Tensor:
+    """``P[Binomial(L, p) >= min_collisions]`` in float64 (``w_j`` of the paper)."""
+    p = p.double()
+    below = sum(math.comb(n_tables, i) * p ** i * (1.0 - p) ** (n_tables - i) for i in range(min_collisions))
+    return (1.0 - below).clamp(min=0.0)
+
+
+def build_tables(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bucket tables: per (KV head, table) the codes sorted and the key ids in that order."""
+    return codes.contiguous().sort(dim=-1)
+
+
+def lookup(sorted_codes: torch.Tensor, order: torch.Tensor, q_codes: torch.Tensor, min_collisions: int) -> torch.Tensor:
+    """Candidate mask ``[H_kv * G, n]``: keys sharing the query's bucket in ``>= min_collisions`` tables.
+
+    ``sorted_codes, order: [H_kv, L, n]``; ``q_codes: [H_kv, L, G]`` (the ``G`` query heads of a group)."""
+    h_kv, n_tables, n = order.shape
+    group = q_codes.shape[-1]
+    start = torch.searchsorted(sorted_codes, q_codes).flatten()  # rows ordered (kv, table, g)
+    lengths = torch.searchsorted(sorted_codes, q_codes, right=True).flatten() - start
+    rows = torch.arange(lengths.numel(), device=order.device)
+    row_of_hit = rows.repeat_interleave(lengths)
+    first_hit = lengths.cumsum(0) - lengths
+    within = torch.arange(row_of_hit.numel(), device=order.device) - first_hit[row_of_hit]
+    table_row = row_of_hit // group  # (kv, table)
+    keys = order.reshape(-1)[table_row * n + start[row_of_hit] + within]
+    q_head = (row_of_hit // (n_tables * group)) * group + row_of_hit % group
+    counts = torch.bincount(q_head * n + keys, minlength=h_kv * group * n)
+    return counts.reshape(h_kv * group, n) >= min_collisions
+
+
+# ------------------------------------------------------------------------------- partial attention
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                      valid: torch.Tensor | None = None, log_weight: torch.Tensor | None = None):
+    """Attention of ``q: [H_q, 1, d]`` over ``k, v: [H, m, d]`` returning ``(out [H_q, 1, d] fp32,
+    lse [H_q, 1] fp32)``; ``log_weight [H, m]`` is subtracted from the logits (importance correction).
+    A head with no valid key gets ``lse = -inf`` and a zero output."""
+    n_q = q.shape[0]
+    logits = attention_logits(q, k, scaling)  # [H_q, 1, m]
+    if log_weight is not None:
+        logits = logits - expand_heads(log_weight, n_q)[:, None, :].float()
+    if valid is not None:
+        logits = logits.masked_fill(~expand_heads(valid, n_q)[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]), 0.0)
+    return torch.matmul(probs, expand_heads(v, n_q).float()), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Log-sum-exp merge of two partial attentions over disjoint key sets."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+
+
+# ------------------------------------------------------------------------------------ the method
+@dataclass
+class SampledFetched(Fetched):
+    """The exact part (``k, v``: resident, current token included) plus the sampled candidates of each
+    query head, kept in the offload store: ``sk, sv [H_q, c, d]``, ``svalid``, ``snorm`` (centred-key
+    norms) ``[H_q, c]``."""
+
+    sk: torch.Tensor | None = None
+    sv: torch.Tensor | None = None
+    svalid: torch.Tensor | None = None
+    snorm: torch.Tensor | None = None
+
+    def past_tokens_per_head(self) -> float:
+        sampled = 0.0 if self.svalid is None else float(self.svalid.sum(-1).float().mean())
+        return super().past_tokens_per_head() + sampled
+
+
+class PigState(LayerState):
+    """Sparse layers: resident ``k, v, pos`` = sinks + local window + generated tokens; offload store
+    ``store_k/v`` = the middle prompt tokens, their centred-key norms, ``mu`` and the bucket tables."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.n_prompt = 0
+        self.store_k: torch.Tensor | None = None
+        self.store_v: torch.Tensor | None = None
+        self.mu: torch.Tensor | None = None
+        self.knorm: torch.Tensor | None = None
+        self.sorted_codes: torch.Tensor | None = None
+        self.order: torch.Tensor | None = None
+        self.n_bits = 0
+        self.calib_q: torch.Tensor | None = None
+        self.bytes_moved = 0
+
+
+@dataclass
+class MagicPIG(KVMethod):
+    """LSH (SimHash) sampling of the offloaded keys + exact sinks/local/generated, merged by LSE.
+
+    Args:
+        budget: exact part (sinks + local) + expected sample size per head per sparse layer (§1.8).
+        n_bits: ``K``, sign bits per table (official 10); used as is when ``calibrate=False``.
+        n_tables: ``L``, number of tables (official 150 in bench, 170 in generation).
+        min_collisions: tables a key must share with the query to be sampled (official 2).
+        n_sink: first tokens attended exactly (official 4).
+        local_window: last prompt tokens attended exactly (official 64; capped at (B - n_sink) // 2).
+        dense_layers: layers kept dense; ``None`` scales the official ``0, 16`` of 32 layers to depth.
+        calibrate: choose ``K`` per layer so the expected sample size fits the budget (see module doc).
+        max_bits: largest ``K`` calibration may pick.
+        seed: seed of the random SimHash projections.
+    """
+
+    n_bits: int = 10
+    n_tables: int = 150
+    min_collisions: int = 2
+    n_sink: int = 4
+    local_window: int = 64
+    dense_layers: Sequence[int] | None = None
+    calibrate: bool = True
+    max_bits: int = 20
+    seed: int = 0
+    name: ClassVar[str] = "magicpig"
+    dense: frozenset = field(default=frozenset(), init=False, repr=False)
+    proj: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def local(self) -> int:
+        return min(self.local_window, (self.budget - self.n_sink) // 2)
+
+    @property
+    def sample_target(self) -> int:
+        return self.budget - self.n_sink - self.local
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError("magicpig needs a budget (tokens per head), e.g. budget=128")
+        if self.budget < self.n_sink + 2:
+            raise BudgetError(f"magicpig: budget {self.budget} must be >= n_sink + 2 = {self.n_sink + 2} "
+                              "(sinks, a local window and a sampled part)")
+        if not 1 <= self.min_collisions <= self.n_tables:
+            raise BudgetError(f"magicpig: need 1 <= min_collisions ({self.min_collisions}) <= n_tables ({self.n_tables})")
+
+    def bind(self, spec: ModelSpec) -> None:
+        super().bind(spec)
+        layers = self.dense_layers
+        if layers is None:
+            layers = {round(f * spec.n_layers / OFFICIAL_DEPTH) for f in OFFICIAL_DENSE_LAYERS}
+        self.dense = frozenset(int(i) for i in layers)
+        generator = torch.Generator().manual_seed(self.seed)
+        bits = max(self.n_bits, self.max_bits if self.calibrate else 0)
+        self.proj = torch.randn(spec.head_dim, self.n_tables, bits, generator=generator)
+
+    def new_state(self, layer_idx: int) -> PigState:
+        return PigState(layer_idx)
+
+    def is_budgeted(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, st: PigState, q, k, v):
+        st.calib_q = q[:, -1].detach().float().cpu()
+        return super().prefill(st, q, k, v)
+
+    def finish_prefill(self, st: PigState) -> None:
+        st.n_prompt = st.n_seen
+        n_mid = st.n_seen - self.n_sink - self.local
+        if not self.is_budgeted(st.layer_idx) or n_mid <= 0:
+            return
+        mid = slice(self.n_sink, self.n_sink + n_mid)
+        st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])
+        keep = torch.cat([torch.arange(self.n_sink), torch.arange(self.n_sink + n_mid, st.n_seen)]).to(st.k.device)
+        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+        self.submit_background(st, self.build_index, st)
+
+    def build_index(self, st: PigState) -> None:
+        """Centres the offloaded keys, picks ``K`` (calibration), hashes and sorts into bucket tables."""
+        st.mu = st.store_k.float().mean(dim=1, keepdim=True)  # [H_kv, 1, d]
+        centred = st.store_k.float() - st.mu
+        st.knorm = centred.norm(dim=-1)
+        st.n_bits = self.calibrated_bits(st, centred) if self.calibrate else self.n_bits
+        st.sorted_codes, st.order = build_tables(simhash(centred, self.proj[..., :st.n_bits]).transpose(1, 2))
+
+    def calibrated_bits(self, st: PigState, centred: torch.Tensor) -> int:
+        """Smallest ``K`` whose expected sample size (last prompt query, mean over heads) fits the target."""
+        keys = expand_heads(centred, self.spec.n_q_heads)
+        cos = torch.einsum("hd,hnd->hn", st.calib_q, keys) / (
+            st.calib_q.norm(dim=-1, keepdim=True) * keys.norm(dim=-1)).clamp(min=1e-12)
+        for bits in range(self.max_bits + 1):
+            p = collision_probability(cos, bits)
+            expected = inclusion_probability(p, self.n_tables, self.min_collisions).sum(-1).mean()
+            if expected <= self.sample_target:
+                return bits
+        return self.max_bits
+
+    # ------------------------------------------------------------------ decode
+    def select(self, st: PigState, q: torch.Tensor) -> torch.Tensor | None:
+        """Candidate mask ``[H_q, n_mid]`` (``None`` in dense layers or with nothing offloaded)."""
+        if st.store_k is None:
+            return None
+        q_host = q[:, 0].detach().float().cpu()
+        codes = simhash(q_host, self.proj[..., :st.n_bits])  # [H_q, L]
+        codes = codes.reshape(self.spec.n_kv_heads, self.spec.group, -1).transpose(1, 2).contiguous()
+        return lookup(st.sorted_codes, st.order, codes, self.min_collisions)
+
+    def fetch(self, st: PigState, selection: torch.Tensor | None) -> Fetched:
+        if selection is None:
+            return Fetched(st.k, st.v)
+        n_cand = int(selection.sum(-1).max())
+        idx = torch.argsort((~selection).to(torch.int8), dim=-1, stable=True)[:, :n_cand]  # candidates first
+        kv = (torch.arange(self.spec.n_q_heads) // self.spec.group)[:, None]
+        return SampledFetched(st.k, st.v, sk=st.store_k[kv, idx], sv=st.store_v[kv, idx],
+                              svalid=selection.gather(1, idx), snorm=st.knorm[kv, idx])
+
+    def attend(self, st: PigState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
+        out, lse = partial_attention(q, fetched.k, fetched.v, self.spec.scaling)
+        if isinstance(fetched, SampledFetched):
+            sampled_out, sampled_lse = self.sampled_attention(st, q, fetched)
+            out, lse = merge_attention(out, lse, sampled_out.to(out.device), sampled_lse.to(out.device))
+            st.bytes_moved += (q.numel() + sampled_out.numel() + sampled_lse.numel()) * 4
+        return out.to(q.dtype)
+
+    def sampled_attention(self, st: PigState, q: torch.Tensor, fetched: SampledFetched):
+        """The offload-side part: importance-weighted attention over each query head's candidates."""
+        q_host = q.detach().float().cpu()  # [H_q, 1, d]
+        mu = expand_heads(st.mu, self.spec.n_q_heads)  # [H_q, 1, d]
+        dots = torch.matmul(q_host, (fetched.sk.float() - mu).transpose(1, 2))[:, 0]  # q . centred key
+        cos = dots / (q_host[:, 0].norm(dim=-1, keepdim=True) * fetched.snorm).clamp(min=1e-12)
+        w = inclusion_probability(collision_probability(cos, st.n_bits), self.n_tables, self.min_collisions)
+        log_w = torch.log(w.clamp(min=1e-300)).float()
+        return partial_attention(q_host, fetched.sk, fetched.sv, self.spec.scaling, fetched.svalid, log_w)
+
+    # ------------------------------------------------------------------ accounting
+    def check_resident(self, st: PigState) -> None:
+        """Sparse layers: resident prompt tokens (sinks + local) within the exact part of the budget;
+        generated tokens are kept on top (exempt, as the official generation buffer)."""
+        if not self.is_budgeted(st.layer_idx):
+            return
+        prompt_part = self.resident_tokens(st) - (st.n_seen - st.n_prompt)
+        if prompt_part > self.n_sink + self.local:
+            raise AssertionError(f"magicpig: layer {st.layer_idx} holds {prompt_part} resident prompt tokens, "
+                                 f"over its exact part of {self.n_sink + self.local} (budget {self.budget})")

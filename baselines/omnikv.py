@@ -1,0 +1,173 @@
+"""OmniKV (Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs", ICLR 2025;
+official code ``antgroup/OmniKV``, ``modeling/omnikv.py`` + ``modeling/spec_cache.py``).
+
+Reference: reference/baselines.md §1.4 and the budget mapping of §1.8.
+
+Layer roles (``OmniKVMultiStageCache``): layers before the first filter layer are dense; each filter
+layer ``f`` and the ``wait_layers`` layers after it are dense (the official "wait" layers hide the
+CPU->GPU gather); the layers after them, up to the next filter layer, are *sparse*.
+
+* Prefill: exact attention in every layer, nothing evicted; the sparse layers' K/V move to the
+  offload store (pinned host memory on CUDA).
+* Decode, filter layer ``f``: logits of the current (post-RoPE) query over the layer's own *prompt*
+  keys, max over all query heads (selector ``last``, the official example config;
+  ``softmax_before_last`` takes the softmax per head first), top-``budget`` -> one sorted index set
+  shared by all heads and by every sparse layer until the next filter layer. The filter layer itself
+  attends everything.
+* Decode, sparse layer: gathers ``K[I], V[I]`` from its offload store (bytes counted in
+  ``state.bytes_moved``) and attends them plus every generated token (the "tail", never dropped).
+
+Filter layers default to the official Llama-3-8B choice ``2, 8, 18`` of 32 layers scaled to the
+model's depth (``round(f * n_layers / 32)``): SmolLM2's 30 layers -> ``2, 8, 17``.
+
+Budget ``B`` = selected prompt tokens per sparse layer (top-k = B). Exempt, and logged through the
+effective tokens: dense/filter/wait layers (everything) and the generated tail of sparse layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import torch
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv.attention import attention_logits
+
+OFFICIAL_FILTER_LAYERS = (2, 8, 18)  # configs/example.json, for 32-layer Llama-3-8B
+OFFICIAL_DEPTH = 32
+SELECTORS = ("last", "softmax_before_last")
+
+
+def scaled_filter_layers(n_layers: int) -> tuple[int, ...]:
+    """The official filter layers scaled to a model of ``n_layers`` layers."""
+    return tuple(sorted({min(n_layers - 1, round(f * n_layers / OFFICIAL_DEPTH)) for f in OFFICIAL_FILTER_LAYERS}))
+
+
+def layer_roles(n_layers: int, filters: Sequence[int], wait_layers: int) -> dict[int, tuple[str, int | None]]:
+    """``layer -> (role, filter layer of its group)`` with role in dense / filter / wait / sparse."""
+    roles: dict[int, tuple[str, int | None]] = {i: ("dense", None) for i in range(filters[0])}
+    for f, nxt in zip(filters, list(filters[1:]) + [n_layers]):
+        roles[f] = ("filter", f)
+        for i in range(f + 1, nxt):
+            roles[i] = ("wait" if i <= f + wait_layers else "sparse", f)
+    return roles
+
+
+def select_tokens(q: torch.Tensor, k: torch.Tensor, scaling: float, n_select: int, selector: str) -> torch.Tensor:
+    """OmniKV's head-shared selection: ``q: [H_q, 1, d]``, prompt keys ``k: [H_kv, L, d]`` -> the sorted
+    positions ``[min(n_select, L)]`` of the largest (max over heads) logits or softmax probabilities."""
+    scores = attention_logits(q, k, scaling)[:, 0]  # [H_q, L]
+    if selector == "softmax_before_last":
+        scores = torch.softmax(scores, dim=-1)
+    scores = scores.max(dim=0).values
+    return scores.topk(min(n_select, scores.shape[0])).indices.sort().values
+
+
+def to_store(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
+    host = x.detach().to("cpu", copy=True)
+    return host.pin_memory() if x.is_cuda else host
+
+
+class OmniState(LayerState):
+    """Dense/filter/wait layers: everything resident (``k, v, pos``). Sparse layers: the prompt K/V in
+    the offload store (``store_k/v``), the gathered selection (``part_k/v``, positions ``selected``,
+    replaced at every step as the official ``part_key``) and the generated tail (``k, v, pos``)."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.n_prompt = 0
+        self.store_k: torch.Tensor | None = None
+        self.store_v: torch.Tensor | None = None
+        self.part_k: torch.Tensor | None = None
+        self.part_v: torch.Tensor | None = None
+        self.selected: torch.Tensor | None = None
+        self.bytes_moved = 0
+
+
+@dataclass
+class OmniKV(KVMethod):
+    """Filter layers select one token set from their own attention logits; sparse layers reuse it.
+
+    Args:
+        budget: prompt tokens selected (top-k) for every sparse layer at each step.
+        filter_layers: layers that select (official ``do_select_layers``); ``None`` scales the official
+            ``2, 8, 18`` of 32 layers to the model's depth.
+        wait_layers: dense layers after each filter layer (official ``num_wait_load_layers`` = 1).
+        selector: ``last`` (max over heads of the logits, official example) or ``softmax_before_last``.
+    """
+
+    filter_layers: Sequence[int] | None = None
+    wait_layers: int = 1
+    selector: str = "last"
+    name: ClassVar[str] = "omnikv"
+    roles: dict = field(default_factory=dict, init=False, repr=False)  # layer -> (role, its filter layer)
+    shared: dict = field(default_factory=dict, init=False, repr=False)  # filter -> (step, selected positions)
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError("omnikv needs a budget (prompt tokens selected per sparse layer), e.g. budget=64")
+        if self.selector not in SELECTORS:
+            raise BudgetError(f"omnikv: selector must be one of {SELECTORS}, got '{self.selector}'")
+        if self.wait_layers < 0:
+            raise BudgetError(f"omnikv: wait_layers must be >= 0, got {self.wait_layers}")
+
+    def bind(self, spec: ModelSpec) -> None:
+        super().bind(spec)
+        filters = (scaled_filter_layers(spec.n_layers) if self.filter_layers is None
+                   else tuple(sorted({int(f) for f in self.filter_layers})))
+        if not filters or filters[0] < 0 or filters[-1] >= spec.n_layers:
+            raise ValueError(f"omnikv: filter_layers {filters} must be layers of a {spec.n_layers}-layer model")
+        self.roles = layer_roles(spec.n_layers, filters, self.wait_layers)
+
+    def new_state(self, layer_idx: int) -> OmniState:
+        return OmniState(layer_idx)
+
+    def is_budgeted(self, layer_idx: int) -> bool:
+        return self.roles[layer_idx][0] == "sparse"
+
+    # ------------------------------------------------------------------ prefill
+    def finish_prefill(self, st: OmniState) -> None:
+        st.n_prompt = st.n_seen
+        if self.is_budgeted(st.layer_idx):
+            st.store_k, st.store_v = to_store(st.k), to_store(st.v)
+            st.k, st.v, st.pos = st.k[:, :0], st.v[:, :0], st.pos[:0]
+
+    # ------------------------------------------------------------------ decode
+    def select(self, st: OmniState, q: torch.Tensor) -> torch.Tensor | None:
+        role, group = self.roles[st.layer_idx]
+        if role == "filter":
+            st.selected = select_tokens(q, st.k[:, :st.n_prompt], self.spec.scaling, self.budget, self.selector)
+            self.shared[group] = (st.n_seen, st.selected)
+        if role != "sparse":
+            return None
+        step, selected = self.shared[group]
+        if step != st.n_seen:
+            raise RuntimeError(f"omnikv: layer {st.layer_idx} found no selection of filter layer {group} "
+                               f"for this step")
+        return selected
+
+    def fetch(self, st: OmniState, selection: torch.Tensor | None) -> Fetched:
+        if selection is None:
+            return Fetched(st.k, st.v)
+        idx = selection.cpu()
+        st.part_k = st.store_k[:, idx].to(st.k.device, non_blocking=True)
+        st.part_v = st.store_v[:, idx].to(st.v.device, non_blocking=True)
+        st.selected = selection
+        st.bytes_moved += 2 * st.part_k.numel() * st.part_k.element_size()
+        return Fetched(torch.cat([st.part_k, st.k], dim=1), torch.cat([st.part_v, st.v], dim=1))
+
+    # ------------------------------------------------------------------ accounting
+    def resident_tokens(self, st: OmniState) -> int:
+        part = 0 if st.part_k is None or not self.is_budgeted(st.layer_idx) else st.part_k.shape[1]
+        return part + st.resident_tokens()
+
+    def check_resident(self, st: OmniState) -> None:
+        """Sparse layers: the selected prompt tokens must fit the budget; the tail (exempt, as in the
+        official code) must hold generated tokens only."""
+        if not self.is_budgeted(st.layer_idx):
+            return
+        part, tail = self.resident_tokens(st) - st.resident_tokens(), st.resident_tokens()
+        if part > self.budget or tail != st.n_seen - st.n_prompt:
+            raise AssertionError(f"omnikv: layer {st.layer_idx} holds {part} selected prompt tokens (budget "
+                                 f"{self.budget}) and a tail of {tail} (generated: {st.n_seen - st.n_prompt})")

@@ -1,0 +1,218 @@
+"""PQCache (Zhang et al., "PQCache: Product Quantization-based KVCache for Long Context LLM Inference",
+SIGMOD 2025; official code ``HugoZHL/PQCache``, ``vq_method/retrieval_based/pq_search.py``).
+
+Reference: reference/baselines.md §1.3 and the budget mapping of §1.8.
+
+* Prefill: exact causal attention; every key/value is copied to a separate offload store (pinned host
+  memory on CUDA). For each KV head, the non-sink keys are split into ``n_subvec`` sub-vectors and
+  clustered per subspace into ``2**n_bits`` centroids (k-means, Lloyd, ``n_init=1``, initialised on
+  random distinct keys, as the official sklearn worker does). The clustering runs on the method's
+  background worker and is awaited at the layer's first decode step (so it shows in TT2T). The
+  official code bounds the iteration count by profiling (clamped to [3, 10]); here the bound is the
+  fixed ``kmeans_iters`` (default 10, the official upper clamp), with an early stop once assignments
+  no longer change. Fewer keys than centroids: one centroid per key (the official code skips PQ and
+  attends everything in that case; we keep the method and its budget).
+* Decode: for each query head, lookup tables ``T[s] = q^(s) . C^(s)`` give approximate logits
+  ``sum_s T[s][code_j^(s)]``; softmax per query head (scaled like the model's attention), summed over
+  the GQA group, top-k per KV head over the candidates (tokens between the sinks and the recent
+  window). Sinks + top-k + recent window are attended exactly; the top-k K/V are gathered from the
+  offload store (bytes counted in ``state.bytes_moved``).
+* A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
+
+Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k`` (official ratios: recent_ratio 0.5 of
+what remains after the sinks; §1.8 recommends 4 sinks and (B-4)/2 + (B-4)/2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+
+
+def to_store(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
+    host = x.detach().to("cpu", copy=True)
+    return host.pin_memory() if x.is_cuda else host
+
+
+def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
+    """``[H, n, d]`` -> ``[H, m, n, d/m]`` (sub-vector ``s`` of every token)."""
+    h, n, d = x.shape
+    return x.reshape(h, n, n_subvec, d // n_subvec).permute(0, 2, 1, 3)
+
+
+def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Codes ``[P, n]`` of points ``x: [P, n, ds]`` for codebooks ``centroids: [P, C, ds]`` (L2)."""
+    return torch.cdist(x.float(), centroids.float()).argmin(-1)
+
+
+def kmeans(x: torch.Tensor, n_centroids: int, iters: int, generator: torch.Generator):
+    """Batched Lloyd k-means over ``P`` independent problems ``x: [P, n, ds]``.
+
+    Returns ``(centroids [P, C, ds], codes [P, n])`` with ``C = min(n_centroids, n)``; initial centroids
+    are distinct random points; an empty cluster keeps its previous centroid."""
+    p, n, ds = x.shape
+    x = x.float()
+    c = min(n_centroids, n)
+    init = torch.stack([torch.randperm(n, generator=generator)[:c] for _ in range(p)]).to(x.device)
+    centroids = x.gather(1, init[..., None].expand(-1, -1, ds))
+    codes = nearest_centroid(x, centroids)
+    for _ in range(iters):
+        sums = torch.zeros_like(centroids).scatter_add_(1, codes[..., None].expand(-1, -1, ds), x)
+        counts = torch.zeros(p, c, device=x.device).scatter_add_(1, codes, torch.ones_like(x[..., 0]))
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
+        new_codes = nearest_centroid(x, centroids)
+        if torch.equal(new_codes, codes):
+            break
+        codes = new_codes
+    return centroids, codes
+
+
+def lookup_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Approximate logits ``[H_q, n]`` (unscaled ``q . k_hat``) from PQ lookup tables.
+
+    ``q: [H_q, d]``, ``centroids: [H_kv, m, C, d/m]``, ``codes: [H_kv, n, m]``."""
+    h_q, group = q.shape[0], q.shape[0] // centroids.shape[0]
+    m = centroids.shape[1]
+    q_sub = q.float().reshape(h_q, m, -1)  # [H_q, m, ds]
+    cents = centroids.float().repeat_interleave(group, 0)  # [H_q, m, C, ds]
+    tables = torch.einsum("hsd,hscd->hsc", q_sub, cents)  # [H_q, m, C]
+    idx = codes.repeat_interleave(group, 0).permute(0, 2, 1)  # [H_q, m, n]
+    return tables.gather(2, idx).sum(1)
+
+
+def group_topk(scores: torch.Tensor, scaling: float, n_kv_heads: int, k: int) -> torch.Tensor:
+    """PQCache's GQA selection: softmax of the scaled scores per query head, summed over the group,
+    top-``k`` per KV head. ``scores: [H_q, n]`` -> candidate indices ``[H_kv, k]`` (sorted)."""
+    probs = torch.softmax(scores * scaling, dim=-1)
+    per_kv = probs.reshape(n_kv_heads, -1, probs.shape[-1]).sum(1)
+    return per_kv.topk(min(k, per_kv.shape[-1]), dim=-1).indices.sort(-1).values
+
+
+class PQState(LayerState):
+    """Resident (what ``resident_tokens`` counts): sinks + recent window (``k, v, pos``); the top-k are
+    gathered per step and dropped after attention. Offload store: every token (``store_k/v``).
+    PQ: ``centroids [H_kv, m, C, d/m]`` and ``codes [H_kv, n_coded, m]`` for positions ``n_sink...``."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.store_k: torch.Tensor | None = None
+        self.store_v: torch.Tensor | None = None
+        self.centroids: torch.Tensor | None = None
+        self.codes: torch.Tensor | None = None
+        self.bytes_moved = 0
+
+
+@dataclass
+class PQCache(KVMethod):
+    """Product-quantisation retrieval of the top-k keys per KV head.
+
+    Args:
+        budget: past tokens attended per head per step = n_sink + recent + top-k.
+        n_sink: initial tokens always attended (official CLI default 2, script 32; §1.8: 4).
+        n_subvec: sub-vectors per key, ``m`` (official ``SUBVEC`` = 2; one of 1, 2, 4, 8, 16).
+        n_bits: bits per sub-vector code, ``2**n_bits`` centroids (official ``SUBBITS`` = 6 -> 64).
+        kmeans_iters: bound on Lloyd iterations (official adaptive bound is clamped to [3, 10]).
+        recent_ratio: share of ``budget - n_sink`` given to the recent window (official 0.5).
+        seed: seed of the k-means initialisation (one torch.Generator per layer).
+    """
+
+    n_sink: int = 4
+    n_subvec: int = 2
+    n_bits: int = 6
+    kmeans_iters: int = 10
+    recent_ratio: float = 0.5
+    seed: int = 0
+    name: ClassVar[str] = "pqcache"
+
+    @property
+    def recent(self) -> int:
+        return int((self.budget - self.n_sink) * self.recent_ratio)
+
+    @property
+    def topk(self) -> int:
+        return self.budget - self.n_sink - self.recent
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError("pqcache needs a budget (tokens per head), e.g. budget=64")
+        if self.n_subvec not in (1, 2, 4, 8, 16):
+            raise BudgetError(f"pqcache: n_subvec must be one of 1, 2, 4, 8, 16, got {self.n_subvec}")
+        if self.recent < 1 or self.topk < 1:
+            raise BudgetError(f"pqcache: budget {self.budget} leaves no room for a recent window and a top-k "
+                              f"after {self.n_sink} sinks (recent={self.recent}, top-k={self.topk}); "
+                              f"use budget >= {self.n_sink + 2} and 0 < recent_ratio < 1")
+
+    def bind(self, spec: ModelSpec) -> None:
+        if spec.head_dim % self.n_subvec:
+            raise ValueError(f"pqcache: head_dim {spec.head_dim} is not divisible by n_subvec={self.n_subvec}")
+        super().bind(spec)
+
+    def new_state(self, layer_idx: int) -> PQState:
+        return PQState(layer_idx)
+
+    # ------------------------------------------------------------------ prefill
+    def finish_prefill(self, st: PQState) -> None:
+        if st.n_seen <= self.n_sink:
+            raise ValueError(f"pqcache: the prompt ({st.n_seen} tokens) must be longer than n_sink={self.n_sink}")
+        st.store_k, st.store_v = to_store(st.k), to_store(st.v)
+        self.trim_window(st)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + st.layer_idx)
+        self.submit_background(st, self.build_codebook, st, st.store_k[:, self.n_sink:], generator)
+
+    def build_codebook(self, st: PQState, keys: torch.Tensor, generator: torch.Generator) -> None:
+        """k-means per (KV head, subspace) on the non-sink prompt keys (background worker)."""
+        h, n, _ = keys.shape
+        sub = split_subvectors(keys, self.n_subvec)  # [H, m, n, ds]
+        centroids, codes = kmeans(sub.reshape(h * self.n_subvec, n, -1), 2 ** self.n_bits, self.kmeans_iters,
+                                  generator)
+        st.centroids = centroids.reshape(h, self.n_subvec, *centroids.shape[1:]).to(self.spec.device)
+        st.codes = codes.reshape(h, self.n_subvec, n).permute(0, 2, 1).to(self.spec.device)
+
+    # ------------------------------------------------------------------ decode
+    def select(self, st: PQState, q: torch.Tensor) -> torch.Tensor:
+        """Positions ``[H_kv, k]`` of the top-k candidates per KV head."""
+        n_cand = int(st.pos[self.n_sink]) - self.n_sink  # tokens between the sinks and the window
+        if n_cand == 0:
+            return torch.empty(self.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
+        scores = lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand])
+        return group_topk(scores, self.spec.scaling, self.spec.n_kv_heads, self.topk) + self.n_sink
+
+    def fetch(self, st: PQState, selection: torch.Tensor) -> Fetched:
+        idx = selection.cpu()[..., None].expand(-1, -1, st.store_k.shape[-1])
+        k = st.store_k.gather(1, idx).to(st.k.device, non_blocking=True)
+        v = st.store_v.gather(1, idx).to(st.v.device, non_blocking=True)
+        st.bytes_moved += k.numel() * k.element_size() + v.numel() * v.element_size()
+        return Fetched(torch.cat([k, st.k], dim=1), torch.cat([v, st.v], dim=1))
+
+    def append(self, st: PQState, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().append(st, k, v)
+        st.store_k = torch.cat([st.store_k, to_store(k)], dim=1)
+        st.store_v = torch.cat([st.store_v, to_store(v)], dim=1)
+
+    def observe(self, st: PQState, q, fetched, selection) -> None:
+        self.trim_window(st)
+
+    def trim_window(self, st: PQState) -> None:
+        """Keeps the sinks and the ``recent`` newest tokens resident; a token leaving the window without
+        a PQ code gets one by nearest centroid."""
+        n_window = st.k.shape[1] - self.n_sink
+        if n_window <= self.recent:
+            return
+        leaving = range(self.n_sink, self.n_sink + n_window - self.recent)
+        if st.codes is not None:  # prompt tokens were coded by k-means; only generated ones need a code
+            for j in leaving:
+                if int(st.pos[j]) - self.n_sink >= st.codes.shape[1]:
+                    self.assign_code(st, st.k[:, j:j + 1])
+        keep = torch.cat([torch.arange(self.n_sink), torch.arange(self.n_sink + n_window - self.recent,
+                                                                  st.k.shape[1])]).to(st.k.device)
+        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+
+    def assign_code(self, st: PQState, k: torch.Tensor) -> None:
+        sub = split_subvectors(k, self.n_subvec)  # [H, m, 1, ds]
+        h, m = sub.shape[:2]
+        codes = nearest_centroid(sub.reshape(h * m, 1, -1), st.centroids.reshape(h * m, *st.centroids.shape[2:]))
+        st.codes = torch.cat([st.codes, codes.reshape(h, m, 1).permute(0, 2, 1)], dim=1)

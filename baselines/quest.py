@@ -1,0 +1,128 @@
+"""Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024);
+reference/baselines.md §1.7 and §1.8.
+
+The KV cache is cut into pages of ``page_size`` tokens in token order. Per page and KV head the
+metadata is the element-wise minimum ``m_P`` and maximum ``M_P`` of its keys; at each decode step the
+criticality of a page for query ``q`` is ``sum_i max(q_i m_{P,i}, q_i M_{P,i})``, an upper bound of
+``q . k`` over the page. Each head attends to its top ``budget / page_size`` pages, the page holding the
+most recent tokens (and the current one) always among them, as Quest does. Prefill and the first
+``dense_layers`` layers use full attention.
+
+GQA: selection is per *query head* (Quest's default; the official kernels are MHA), so the selection's
+head axis is ``H_q``; query head ``h`` bounds pages with its own query against the metadata of KV head
+``h // G``.
+
+Memory: as in the official Quest, every key and value stays resident (no offload); only the selected
+pages are attended (Quest saves bandwidth, not memory). ``resident_tokens`` therefore reports the whole
+cache, and the ``debug`` check asserts the *attended* past tokens per head instead (``<= budget``).
+Pages attended = ``budget / page_size``; the last page is partially filled, so the attended past tokens
+are ``budget - page_size + (tokens in the last page) - 1 <= budget``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
+
+
+class QuestState(LayerState):
+    """Resident K/V plus page metadata ``kmin, kmax: [H_kv, n_pages, d]``."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.kmin: torch.Tensor | None = None
+        self.kmax: torch.Tensor | None = None
+        self.max_attended = 0  # most past tokens any head attended at the last step
+
+
+def page_min_max(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max of the keys of each page: ``k: [H, n, d]`` -> two ``[H, ceil(n/ps), d]``;
+    the last page may be partial."""
+    pad = (-k.shape[1]) % page_size
+    h, d = k.shape[0], k.shape[2]
+    lo = F.pad(k, (0, 0, 0, pad), value=float("inf")).view(h, -1, page_size, d).amin(2)
+    hi = F.pad(k, (0, 0, 0, pad), value=float("-inf")).view(h, -1, page_size, d).amax(2)
+    return lo, hi
+
+
+def page_upper_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality ``[H_q, P]``: ``sum_i max(q_i min_i, q_i max_i)`` for queries ``q: [H_q, d]`` and
+    metadata ``[H_kv, P, d]`` (query head ``h`` reads KV head ``h // G``)."""
+    group = q.shape[0] // kmin.shape[0]
+    qf = q.float()[:, None, :]
+    lo, hi = kmin.float().repeat_interleave(group, 0), kmax.float().repeat_interleave(group, 0)
+    return torch.maximum(qf * lo, qf * hi).sum(-1)
+
+
+@dataclass
+class Quest(KVMethod):
+    """Query-aware page selection by min/max key bounds.
+
+    Args:
+        budget: past tokens attended per query head per step in a sparse layer; must be a multiple of
+            ``page_size`` (``budget / page_size`` pages, the last page included).
+        page_size: tokens per page (paper: 16).
+        dense_layers: the first layers that attend to everything (paper: 2).
+    """
+
+    page_size: int = 16
+    dense_layers: int = 2
+    name: ClassVar[str] = "quest"
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            raise BudgetError(f"quest needs a budget (a multiple of page_size={self.page_size}), e.g. budget=64")
+        if self.budget % self.page_size:
+            lower = self.budget // self.page_size * self.page_size
+            nearest = [b for b in (lower, lower + self.page_size) if b > 0]
+            raise BudgetError(f"quest: budget {self.budget} is not a multiple of page_size={self.page_size}; "
+                              f"nearest valid budgets: {' or '.join(map(str, nearest))}")
+
+    def is_budgeted(self, layer_idx: int) -> bool:
+        return layer_idx >= self.dense_layers
+
+    def new_state(self, layer_idx: int) -> QuestState:
+        return QuestState(layer_idx)
+
+    def store(self, st: QuestState, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends K/V and refreshes the metadata of the pages the new tokens touched."""
+        first_page = (st.resident_tokens()) // self.page_size
+        super().store(st, k, v)
+        lo, hi = page_min_max(st.k[:, first_page * self.page_size:], self.page_size)
+        if st.kmin is None:
+            st.kmin, st.kmax = lo, hi
+        else:
+            st.kmin = torch.cat([st.kmin[:, :first_page], lo], dim=1)
+            st.kmax = torch.cat([st.kmax[:, :first_page], hi], dim=1)
+
+    def select(self, st: QuestState, q: torch.Tensor) -> torch.Tensor | None:
+        """``[H_q, min(budget / page_size, pages)]`` page ids per query head, or None in a dense layer."""
+        if not self.is_budgeted(st.layer_idx):
+            return None
+        top = min(self.budget // self.page_size, st.kmin.shape[1])
+        bounds = page_upper_bounds(q[:, 0], st.kmin, st.kmax)
+        bounds[:, -1] = float("inf")  # the page with the most recent tokens is always attended
+        return bounds.topk(top, dim=-1).indices
+
+    def fetch(self, st: QuestState, pages: torch.Tensor | None) -> Fetched:
+        if pages is None:
+            st.max_attended = st.k.shape[1] - 1
+            return Fetched(st.k, st.v)
+        n = st.k.shape[1]
+        tokens = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device))
+        tokens = tokens.flatten(1)  # [H_q, top * page_size]
+        valid = tokens < n
+        tokens = tokens.clamp(max=n - 1)
+        kv_head = (torch.arange(pages.shape[0], device=pages.device) // self.spec.group)[:, None]
+        st.max_attended = int(valid.sum(-1).max()) - 1
+        return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid)
+
+    def check_resident(self, st: QuestState) -> None:
+        """All keys stay resident (no offload in Quest); debug mode checks the attended set instead."""
+        if self.is_budgeted(st.layer_idx) and st.max_attended > self.budget:
+            raise AssertionError(f"quest: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
+                                 f"head, over the budget of {self.budget}")

@@ -1,0 +1,86 @@
+"""What every suite implements (lm-evaluation-harness style: found by name, per-sample rows, ``limit``).
+
+A suite turns its data into :class:`Sample` objects — token ids, because truncation and chat templates
+are part of each benchmark's protocol — and scores the generated text. The runner (``evals/runner.py``)
+owns the model: it prefills ``prompt_ids``, feeds ``decode_ids`` one token at a time through the decode
+path (so a query-aware cache answers the question; passkey does this), then generates greedily up to
+``max_new_tokens``, stopping at EOS or any of ``stop``.
+
+Scores are computed per sample (:meth:`Suite.score`) and stored in ``predictions.jsonl``; the headline
+numbers come from :meth:`Suite.aggregate` over those rows, so a resumed run needs no regeneration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator
+
+# A judge/generation callback a suite may use while scoring (LongGenBench's yes/no judge):
+# generate(prompt_text, max_new_tokens) -> generated text.
+GenerateFn = Callable[[str, int], str]
+
+
+class DataError(ValueError):
+    """A missing or malformed data file / row; the message names the file, the line and what was expected."""
+
+
+@dataclass
+class Sample:
+    id: str  # stable across runs: a rerun skips ids already in predictions.jsonl
+    task: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    reference: Any  # answers, as the suite's metric expects them (JSON-serialisable)
+    decode_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # latency runs force exactly max_new_tokens tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # end generation like EOS (LongBench samsum: "\n")
+    min_new_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
+    meta: dict = field(default_factory=dict)  # JSON-serialisable extras kept in the prediction row
+
+
+class Suite:
+    """Base class. Subclasses are constructed with their config fields as keyword arguments plus the
+    common ones below, and must not load anything heavy in ``__init__`` beyond checking their data."""
+
+    name: ClassVar[str] = ""
+    needs_data: ClassVar[bool] = False
+
+    def __init__(self, tokenizer, data_dir: str | Path | None = None, max_length: int = 8192,
+                 seed: int = 0, limit: int | None = None, **options):
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 (samples per task), got {limit}")
+        if options:
+            raise ValueError(f"eval '{self.name}' has no option(s) {sorted(options)}")
+        self.tokenizer = tokenizer
+        self.data_dir = Path(data_dir) if data_dir else None
+        self.max_length = max_length
+        self.seed = seed
+        self.limit = limit
+
+    def samples(self) -> Iterator[Sample]:
+        raise NotImplementedError
+
+    def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
+        """Per-sample metric values on a 0-1 (or 0-100, as the suite documents) scale."""
+        raise NotImplementedError
+
+    def aggregate(self, rows: list[dict]) -> dict:
+        """Headline metrics from prediction rows: ``{"score": 0-100, "tasks": {task: 0-100}, ...}``.
+        Default: the mean of each row's ``scores["score"]`` per task, then the mean over tasks."""
+        per_task: dict[str, list[float]] = {}
+        for row in rows:
+            per_task.setdefault(row["task"], []).append(float(row["scores"]["score"]))
+        tasks = {t: 100.0 * sum(v) / len(v) for t, v in sorted(per_task.items())}
+        score = sum(tasks.values()) / len(tasks) if tasks else 0.0
+        return {"score": score, "tasks": tasks, "n_samples": len(rows)}
+
+    def require_file(self, relative: str) -> Path:
+        """The path of a data file under ``data_dir``, or a :class:`DataError` saying where to get it."""
+        if self.data_dir is None or not self.data_dir.is_dir():
+            raise DataError(f"eval '{self.name}' needs data_dir (got {self.data_dir}); pass data_dir=/path "
+                            f"to the data folder (see ../shared/data/README.md)")
+        path = self.data_dir / relative
+        if not path.exists():
+            raise DataError(f"eval '{self.name}': {path} not found; see ../shared/data/README.md for how to get it")
+        return path

@@ -1,0 +1,183 @@
+"""GSM8K chain-of-thought (Cobbe et al., 2021, test set of 1,319 problems) under two protocols
+(reference/evals.md §3); the score is exact-match accuracy, 0-100.
+
+``protocol: pqcache`` (default; evals.md §3.2, icecache.md §6.3): PQCache's ``GSM8k/evaluation_gsm8k.py``,
+which IceCache's ``gsm8k_pred.py`` derives from. Prompt = the 10-exemplar CoT file
+``<data_dir>/gsm8k/cot_prompt_10shot.txt`` (exemplars ``Question: ...\\nLet's think step by step\\n...The
+answer is N``) + ``"\\nQuestion: " + question + "\\n"``, no chat template, tokenized with special tokens.
+Greedy, 256 new tokens, no stop strings (it runs to 256 or EOS, which matters for timing). Scoring:
+cut the generation at the first ``"\\nQuestion: "``, drop commas, and compare the last ``\\d*\\.?\\d+``
+of the prediction and of the gold answer as floats (signs are ignored by that regex; no number = wrong).
+
+``protocol: lm_eval`` (evals.md §3.3): lm-evaluation-harness ``gsm8k_cot``, 8 fixed exemplars rendered
+``"Q: {question}\\nA: {target}"`` joined by blank lines, then ``"Q: {question}\\nA:"``; stop at ``Q:``,
+``</s>`` or ``<|im_end|>``; 256 new tokens. ``strict_match`` takes the first ``The answer is (...)``,
+``flexible_extract`` the last number-like match; both are compared after lm-eval's ``exact_match``
+normalisation (drop ``,``, ``$``, ``.*#### ``, a final ``.``; case-insensitive). ``score`` is strict-match;
+``flexible_extract`` is reported beside it.
+
+Budgets for this suite are fractions of the prompt (the paper's "10% budget", PQCache
+``compress_ratio=0.1``): :func:`resolve_budget`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterator
+
+from .base import DataError, Sample, Suite
+
+PROTOCOLS = ("pqcache", "lm_eval")
+PQCACHE_SPLIT = "\nQuestion: "
+PQCACHE_NUMBER = re.compile(r"\d*\.?\d+")
+
+LM_EVAL_EXEMPLARS = (
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+     "there will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
+     "been 21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
+     "they had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+     "Jason give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
+     "The answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
+     "now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
+     "5 + 4 = 9. The answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
+     "thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 "
+     "computers were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+     "balls did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
+     "he had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+     "left. 23 - 15 is 8. The answer is 8."),
+)
+LM_EVAL_STOP = ["Q:", "</s>", "<|im_end|>"]
+LM_EVAL_STRICT = re.compile(r"The answer is (\-?[0-9\.\,]+).")
+LM_EVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+INVALID = "[invalid]"
+
+
+def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
+    """Token budget for one sample. A float in (0, 1) is that fraction of the prompt's tokens, rounded
+    down to a multiple of ``multiple`` and at least ``minimum`` (PQCache's ``compress_ratio``; IceCache's
+    "10% budget"); a whole number >= 1 is a budget in tokens; ``None`` means no budget."""
+    if budget is None:
+        return None
+    value = float(budget)
+    if 0 < value < 1:
+        return max(minimum, int(value * n_prompt_tokens) // multiple * multiple)
+    if value >= 1 and value == int(value):
+        return int(value)
+    raise ValueError(f"budget must be a fraction in (0, 1) of the prompt or a whole number of tokens, got {budget}")
+
+
+def pqcache_correct(generation: str, answer: str) -> bool:
+    """PQCache ``evaluate_pred_answer`` on ``generation.split("\\nQuestion: ")[0]``."""
+    pred = PQCACHE_NUMBER.findall(generation.split(PQCACHE_SPLIT)[0].replace(",", ""))
+    gold = PQCACHE_NUMBER.findall(answer.replace(",", ""))
+    return bool(pred) and float(pred[-1]) == float(gold[-1])
+
+
+def lm_eval_extract(generation: str) -> dict[str, str]:
+    """The strict-match and flexible-extract filters of ``gsm8k_cot`` (RegexFilter + take_first)."""
+    strict = LM_EVAL_STRICT.findall(generation)
+    flexible = LM_EVAL_FLEXIBLE.findall(generation)
+    return {"strict_match": strict[0].strip() if strict else INVALID,
+            "flexible_extract": next(g for g in flexible[-1] if g).strip() if flexible else INVALID}
+
+
+def lm_eval_exact_match(prediction: str, target: str) -> bool:
+    """lm-eval ``exact_match`` with ``regexes_to_ignore`` and ``ignore_case`` as ``gsm8k_cot`` sets them."""
+    for pattern in LM_EVAL_IGNORE:
+        prediction, target = re.sub(pattern, "", prediction), re.sub(pattern, "", target)
+    return prediction.lower() == target.lower()
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    for s in stop:
+        text = text.split(s)[0]
+    return text
+
+
+class GSM8K(Suite):
+    name = "gsm8k"
+    needs_data = True
+
+    def __init__(self, tokenizer, protocol: str = "pqcache", max_new_tokens: int = 256,
+                 add_special_tokens: bool = True, **common):
+        super().__init__(tokenizer, **common)
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"gsm8k protocol must be one of {PROTOCOLS}, got '{protocol}'")
+        if tokenizer is None:
+            raise ValueError("eval 'gsm8k' needs the model's tokenizer")
+        self.protocol = protocol
+        self.max_new_tokens = max_new_tokens
+        self.add_special_tokens = add_special_tokens
+        self.test_path = self.require_file("gsm8k/test.jsonl")
+        self.cot_prompt = (self.require_file("gsm8k/cot_prompt_10shot.txt").read_text(encoding="utf-8")
+                           if protocol == "pqcache" else None)
+
+    def problems(self) -> Iterator[tuple[int, dict]]:
+        """``(index, row)`` for the first ``limit`` problems, validated."""
+        index = 0
+        with open(self.test_path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if self.limit is not None and index >= self.limit:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{self.test_path}, line {lineno}: not valid JSON ({err})") from None
+                for field in ("question", "answer"):
+                    if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                        raise DataError(f"{self.test_path}, line {lineno}: missing field '{field}' "
+                                        "(a GSM8K row needs 'question' and 'answer' ending in '#### N')")
+                if not PQCACHE_NUMBER.search(row["answer"].split("####")[-1]):
+                    raise DataError(f"{self.test_path}, line {lineno}: field 'answer' has no final number")
+                yield index, row
+                index += 1
+
+    def prompt_text(self, question: str) -> str:
+        if self.protocol == "pqcache":
+            return self.cot_prompt + PQCACHE_SPLIT + question + "\n"
+        shots = [f"Q: {q}\nA: {t}" for q, t in LM_EVAL_EXEMPLARS]
+        return "\n\n".join(shots + [f"Q: {question}\nA:"])
+
+    def samples(self) -> Iterator[Sample]:
+        for index, row in self.problems():
+            ids = self.tokenizer(self.prompt_text(row["question"]),
+                                 add_special_tokens=self.add_special_tokens)["input_ids"]
+            if len(ids) > self.max_length:
+                raise ValueError(f"gsm8k-{index}: the {self.protocol} prompt has {len(ids)} tokens, more than "
+                                 f"the model's maximum of {self.max_length}")
+            yield Sample(id=f"gsm8k-{index}", task="gsm8k", prompt_ids=ids, max_new_tokens=self.max_new_tokens,
+                         reference=row["answer"], stop=list(LM_EVAL_STOP) if self.protocol == "lm_eval" else [],
+                         meta={"protocol": self.protocol, "n_prompt_tokens": len(ids)})
+
+    def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:
+        if self.protocol == "pqcache":
+            return {"score": float(pqcache_correct(prediction, sample.reference))}
+        target = sample.reference.split("####")[-1].strip()
+        found = lm_eval_extract(cut_at_stop(prediction, LM_EVAL_STOP))
+        strict = float(lm_eval_exact_match(found["strict_match"], target))
+        flexible = float(lm_eval_exact_match(found["flexible_extract"], target))
+        return {"score": strict, "strict_match": strict, "flexible_extract": flexible}
+
+    def aggregate(self, rows: list[dict]) -> dict:
+        """Accuracy (0-100) of every per-sample score key; ``score`` is the protocol's headline number."""
+        keys = rows[0]["scores"].keys() if rows else ["score"]
+        out = {k: 100 * sum(float(r["scores"][k]) for r in rows) / len(rows) if rows else 0.0 for k in keys}
+        return {**out, "tasks": {"gsm8k": out["score"]}, "n_samples": len(rows), "protocol": self.protocol}

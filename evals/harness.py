@@ -1,0 +1,202 @@
+"""Compose config -> validate (cheap, before any heavy work) -> model, cache, suite -> run -> results.
+
+``run.py`` is the Hydra front end; this module takes a plain resolved config dict so tests, notebooks
+and sweeps can call :func:`run_eval` directly.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from icecache.kv import BudgetError, KVMethod, make_method
+from icecache.kv.registry import UnknownNameError
+from icecache.models import MODELS, ModelUnavailableError, load_model, load_tokenizer
+
+from . import results
+from .base import DataError
+from .registry import suite_class
+from .runner import generate
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A mistake in the run's configuration (bad option, value or combination)."""
+
+
+# Errors caused by the user's input: reported in one line, without a traceback (run.py).
+USER_ERRORS = (ConfigError, BudgetError, UnknownNameError, DataError, ModelUnavailableError,
+               results.RunDirError, FileNotFoundError)
+
+
+def resolve_path(p: str | None) -> Path | None:
+    if p is None:
+        return None
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def cache_options(cfg: dict) -> tuple[str, dict]:
+    opts = dict(cfg["cache"])
+    return opts.pop("name"), opts
+
+
+def budget_for(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
+    """A budget in tokens; a float in (0, 1) is a fraction of the prompt (the paper's "10% budget"),
+    rounded down to a multiple of ``multiple`` and at least ``minimum``."""
+    if budget is None or isinstance(budget, int) or float(budget) >= 1:
+        return None if budget is None else int(budget)
+    return max(minimum, int(float(budget) * n_prompt_tokens) // multiple * multiple)
+
+
+@dataclass
+class Plan:
+    """A validated run: everything that can fail cheaply has been checked."""
+
+    cfg: dict
+    method_name: str
+    method_options: dict
+    suite_cls: type
+    suite_options: dict
+    run_dir: Path
+
+    def method(self, n_prompt_tokens: int) -> KVMethod:
+        return make_method(self.method_name, budget=budget_for(self.cfg.get("budget"), n_prompt_tokens),
+                           debug=bool(self.cfg.get("debug")), **self.method_options)
+
+
+def plan(cfg: dict) -> Plan:
+    """Validates names, budget, limit and data before loading anything heavy."""
+    if cfg["model"]["name"] not in MODELS:
+        raise UnknownNameError(f"unknown model '{cfg['model']['name']}'; valid: {', '.join(sorted(MODELS))}")
+    limit = cfg.get("limit")
+    if limit is not None and int(limit) < 1:
+        raise ConfigError(f"limit must be >= 1 (max samples per task), got {limit}")
+    budget = cfg.get("budget")
+    if budget is not None and float(budget) <= 0:
+        raise ConfigError(f"budget must be positive (tokens, or a fraction in (0, 1) of the prompt), got {budget}")
+    name, options = cache_options(cfg)
+    try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
+        make_method(name, budget=budget_for(budget, 1 << 20), **options)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, (BudgetError, UnknownNameError)):
+            raise
+        raise ConfigError(f"cache '{name}': {err}") from None
+    suite_opts = {k: v for k, v in cfg["eval"].items() if k != "name"}
+    suite_cls = suite_class(cfg["eval"]["name"])
+    data_dir = resolve_path(cfg.get("data_dir"))
+    if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
+        raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
+                                "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
+    cfg = dict(cfg, results_dir=str(resolve_path(cfg.get("results_dir", "results"))),
+               data_dir=None if data_dir is None else str(data_dir))
+    return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
+
+
+def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
+    """Runs (or resumes) one evaluation and writes its run directory; returns its path."""
+    p = plan(cfg)
+    tokenizer = load_tokenizer(cfg["model"]["name"], cfg["model"].get("path"))
+    try:
+        suite = p.suite_cls(tokenizer, data_dir=p.cfg["data_dir"], max_length=cfg["model"].get("max_length", 8192),
+                            seed=cfg.get("seed", 0), limit=cfg.get("limit"), **p.suite_options)
+    except TypeError as err:
+        raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
+    except ValueError as err:
+        if isinstance(err, DataError):
+            raise
+        raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
+    samples = list(suite.samples())
+    run = results.RunDir(p.run_dir, p.cfg, config_yaml)
+    model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
+                       cfg.get("device", "cpu"), seed=cfg.get("seed", 0))
+    todo = [s for s in samples if s.id not in run.done_ids()]
+    judge = _judge(model, tokenizer)
+    for sample in _progress(todo, cfg, p.run_dir):
+        torch.manual_seed(cfg.get("seed", 0))
+        gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
+                       sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
+                       ignore_eos=sample.ignore_eos, profile=bool(cfg.get("profile")))
+        row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
+               "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": gen.timing()}
+        run.append(row)
+        if on_row is not None:
+            on_row(row)
+    wanted = {s.id for s in samples}
+    rows = [r for r in run.rows if r["id"] in wanted]
+    metrics = suite.aggregate(rows)
+    timing = summarize_timing(rows, model)
+    results.write_json(p.run_dir / "metrics.json", metrics)
+    results.write_json(p.run_dir / "timing.json", timing)
+    return p.run_dir
+
+
+def _judge(model, tokenizer):
+    """The default judge for suites that need one (LongGenBench): the model under test, full cache."""
+    from baselines.full import FullCache
+
+    def judge(text: str, max_new_tokens: int) -> str:
+        ids = tokenizer(text)["input_ids"]
+        return generate(model, tokenizer, FullCache(), ids, max_new_tokens).text
+    return judge
+
+
+def _progress(items, cfg, run_dir):
+    show = cfg.get("progress", "auto")
+    enabled = sys.stderr.isatty() if show == "auto" else bool(show)
+    if not enabled:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=str(run_dir.relative_to(run_dir.parents[3])), unit="sample")
+
+
+def summarize_timing(rows: list[dict], model) -> dict:
+    """Pools per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3, breakdown per output token."""
+    timings = [r["timing"] for r in rows if r.get("timing")]
+    intervals = [x for t in timings for x in t["intervals_s"]]
+    n_tok = len(intervals)
+    breakdown: dict[str, float] = {}
+    for t in timings:
+        for phase, sec in t["breakdown_s"].items():
+            breakdown[phase] = breakdown.get(phase, 0.0) + sec
+    layers = [t["effective_tokens"] for t in timings if t.get("effective_tokens")]
+    effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
+                 for i in range(len(layers[0]))] if layers else []
+    tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
+    return {
+        "n_samples": len(timings),
+        "ttft_s": statistics.fmean([t["ttft_s"] for t in timings]) if timings else None,
+        "tt2t_s": statistics.fmean(tt2t) if tt2t else None,
+        "tpot_s": statistics.fmean(intervals) if intervals else None,
+        "tpot_p50_s": statistics.median(intervals) if intervals else None,
+        "tpot_p90_s": statistics.quantiles(intervals, n=10)[-1] if n_tok >= 2 else None,
+        "breakdown": {k: v / n_tok for k, v in breakdown.items()} if n_tok else {},
+        "effective_tokens_per_layer": effective,
+        "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "environment": environment(model),
+    }
+
+
+def peak_memory_bytes() -> int:
+    """CUDA max allocated when on a GPU, else the process's peak resident set size."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def environment(model) -> dict:
+    import transformers
+    param = next(model.parameters())
+    return {"device": str(param.device), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "processor": platform.processor() or platform.uname().machine,
+            "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

@@ -1,0 +1,225 @@
+"""LongBench v1 (Bai et al., "LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding",
+arXiv 2308.14508) with the official protocol of THUDM/LongBench ``pred.py`` / ``eval.py``
+(reference/evals.md §2), on the 16 English tasks that KV-cache papers report (IceCache, PQCache,
+SnapKV, kvpress; evals.md §0) plus, with ``chinese: true``, the 5 Chinese tasks.
+
+Per sample (evals.md §2.4):
+1. ``prompt = dataset2prompt[task].format(**row)``; templates and generation lengths are read from
+   ``<data_dir>/longbench_config/dataset2prompt.json`` and ``dataset2maxlen.json`` (the official files).
+2. Middle truncation: if the prompt tokenizes (special tokens included) to more than ``max_length``
+   tokens, keep the first and last ``int(max_length / 2)`` tokens, decode each half with
+   ``skip_special_tokens=True`` and concatenate the strings.
+3. The chat wrapper is applied after truncation, except for trec, triviaqa, samsum, lsht, lcc and
+   repobench-p. ``chat_format``: ``template`` = the tokenizer's chat template with an optional system turn
+   (PQCache's Llama-3 wrapper, evals.md §2.5: system "You are a helpful assistant."; the rendered text is
+   tokenized again with special tokens, which reproduces its double BOS; ``chat_add_special_tokens: false``
+   turns that off), ``inst`` = ``f"[INST]{prompt}[/INST]"`` (official llama2 and PQCache Mistral wrapper),
+   ``none`` = never wrap.
+4. Greedy, ``max_new_tokens = dataset2maxlen[task]``; samsum stops at the "\\n" token (the last id of
+   ``encode("\\n")``) and cannot stop before its first new token (``min_length = context + 1``).
+
+Scoring (evals.md §2.6, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
+then the task metric maximised over the reference answers; a task's score is ``round(100 * mean, 2)``
+and ``score`` is the unweighted mean of the English task scores (the papers' "Avg.").
+
+Data: the official jsonl per task at ``<data_dir>/<longbench_dir>/<task>.jsonl``. With the default
+``longbench_dir`` and no ``<data_dir>/longbench`` folder, the 6-task sample ``longbench_sample`` is used
+and the results say so (``data``). ``hf_dataset`` (e.g. ``THUDM/LongBench`` or the parquet copy
+``Xnhyacinth/LongBench``) loads tasks whose file is missing through ``datasets`` where the hub is
+reachable; it is off by default.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+from .base import DataError, Sample, Suite
+from .longbench_metrics import score_prediction
+
+ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
+                 "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
+                 "lcc", "repobench-p")
+CHINESE_TASKS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
+NO_CHAT_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+CLASSIFICATION_TASKS = frozenset({"trec", "lsht"})
+CHAT_FORMATS = ("template", "inst", "none")
+REQUIRED_FIELDS = ("input", "context", "answers")
+DEFAULT_DIR, SAMPLE_DIR, CONFIG_DIR = "longbench", "longbench_sample", "longbench_config"
+HOW_TO_GET = ("the full LongBench v1 test set is not among the shared data; unzip data/<task>.jsonl from "
+              "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip into {folder}, or set "
+              "eval.hf_dataset=THUDM/LongBench (or Xnhyacinth/LongBench) where the hub is reachable, or choose "
+              "available tasks with eval.tasks=[...]")
+
+log = logging.getLogger(__name__)
+
+
+class LongBench(Suite):
+    name = "longbench"
+    needs_data = True
+
+    def __init__(self, tokenizer, tasks: list[str] | None = None, chinese: bool = False,
+                 longbench_dir: str = DEFAULT_DIR, hf_dataset: str | None = None, chat_format: str = "template",
+                 system_prompt: str | None = "You are a helpful assistant.", chat_add_special_tokens: bool = True,
+                 **common):
+        super().__init__(tokenizer, **common)
+        if tokenizer is None:
+            raise ValueError("eval 'longbench' needs the model's tokenizer (truncation and chat template are "
+                             "part of the protocol)")
+        self.tasks = _select_tasks(tasks, chinese)
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(f"longbench chat_format must be one of {CHAT_FORMATS}, got '{chat_format}'")
+        if chat_format == "template" and not getattr(tokenizer, "chat_template", None) \
+                and any(t not in NO_CHAT_TASKS for t in self.tasks):
+            raise ValueError("longbench chat_format=template, but the tokenizer has no chat template; "
+                             "use eval.chat_format=inst or eval.chat_format=none")
+        self.chat_format = chat_format
+        self.system_prompt = system_prompt
+        self.chat_add_special_tokens = chat_add_special_tokens
+        self.hf_dataset = hf_dataset
+        self.prompts = self._config("dataset2prompt.json")
+        self.max_new = self._config("dataset2maxlen.json")
+        self.folder = self._data_folder(longbench_dir)
+        for task in self.tasks:
+            if not (self.folder / f"{task}.jsonl").exists() and hf_dataset is None:
+                raise DataError(f"eval 'longbench': {self.folder / f'{task}.jsonl'} not found; "
+                                + HOW_TO_GET.format(folder=self.folder))
+
+    # ---------------------------------------------------------------- data
+    def _config(self, filename: str) -> dict:
+        path = self.require_file(f"{CONFIG_DIR}/{filename}")
+        table = json.loads(path.read_text(encoding="utf-8"))
+        missing = [t for t in self.tasks if t not in table]
+        if missing:
+            raise DataError(f"eval 'longbench': {path} has no entry for task(s) {missing}")
+        return table
+
+    def _data_folder(self, longbench_dir: str) -> Path:
+        folder = self.data_dir / longbench_dir
+        if not folder.is_dir() and longbench_dir == DEFAULT_DIR and (self.data_dir / SAMPLE_DIR).is_dir():
+            log.warning("longbench: %s not found; using the small sample %s (4 rows per task, 6 tasks)",
+                        folder, self.data_dir / SAMPLE_DIR)
+            folder = self.data_dir / SAMPLE_DIR
+        return folder
+
+    def rows(self, task: str) -> Iterator[tuple[int, dict, str]]:
+        """``(index, row, source)`` for the first ``limit`` rows of ``task``, validated; ``source`` is the
+        data folder's name (``longbench`` or ``longbench_sample``) or ``hf:<dataset id>``."""
+        path = self.folder / f"{task}.jsonl"
+        if path.exists():
+            yield from self._local_rows(task, path)
+        else:
+            yield from self._hub_rows(task)
+
+    def _local_rows(self, task: str, path: Path) -> Iterator[tuple[int, dict, str]]:
+        index = 0
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if self.limit is not None and index >= self.limit:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}, line {lineno}: not valid JSON ({err})") from None
+                _check_row(row, task, f"{path}, line {lineno}")
+                yield index, row, path.parent.name
+                index += 1
+
+    def _hub_rows(self, task: str) -> Iterator[tuple[int, dict, str]]:
+        from datasets import load_dataset
+
+        data = load_dataset(self.hf_dataset, task, split="test")
+        n = len(data) if self.limit is None else min(self.limit, len(data))
+        for index in range(n):
+            row = dict(data[index])
+            _check_row(row, task, f"{self.hf_dataset} ({task}, test), row {index}")
+            yield index, row, f"hf:{self.hf_dataset}"
+
+    # ---------------------------------------------------------------- prompts
+    def build_prompt(self, task: str, row: dict) -> tuple[list[int], int]:
+        """Token ids of the final prompt and the token count before truncation (evals.md §2.4)."""
+        prompt = self.prompts[task].format(**row)
+        ids = self.tokenizer(prompt, truncation=False)["input_ids"]
+        if len(ids) > self.max_length:
+            prompt = self.truncate_middle(ids)
+        if task in NO_CHAT_TASKS or self.chat_format == "none":
+            return self.tokenizer(prompt, truncation=False)["input_ids"], len(ids)
+        return self.wrap_chat(prompt), len(ids)
+
+    def truncate_middle(self, ids: list[int]) -> str:
+        half = int(self.max_length / 2)
+        decode = self.tokenizer.decode
+        return decode(ids[:half], skip_special_tokens=True) + decode(ids[-half:], skip_special_tokens=True)
+
+    def wrap_chat(self, prompt: str) -> list[int]:
+        if self.chat_format == "inst":
+            return self.tokenizer(f"[INST]{prompt}[/INST]", truncation=False)["input_ids"]
+        messages = [{"role": "user", "content": prompt}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, truncation=False, add_special_tokens=self.chat_add_special_tokens)["input_ids"]
+
+    def samples(self) -> Iterator[Sample]:
+        newline = self.tokenizer.encode("\n", add_special_tokens=False)[-1]
+        for task in self.tasks:
+            for index, row, source in self.rows(task):
+                prompt_ids, n_untruncated = self.build_prompt(task, row)
+                samsum = task == "samsum"
+                yield Sample(
+                    id=f"{task}-{row.get('_id') or index}", task=task, prompt_ids=prompt_ids,
+                    max_new_tokens=int(self.max_new[task]),
+                    reference={"answers": list(row["answers"]), "all_classes": row.get("all_classes")},
+                    stop_token_ids=[newline] if samsum else [], min_new_tokens=1 if samsum else 0,
+                    meta={"data": source, "length": row.get("length"), "n_prompt_tokens": len(prompt_ids),
+                          "n_tokens_untruncated": n_untruncated, "truncated": n_untruncated > self.max_length,
+                          "chat": task not in NO_CHAT_TASKS and self.chat_format != "none"})
+
+    # ---------------------------------------------------------------- scores
+    def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:
+        ref = sample.reference
+        return {"score": score_prediction(sample.task, prediction, ref["answers"], ref["all_classes"])}
+
+    def aggregate(self, rows: list[dict]) -> dict:
+        """Per task ``round(100 * mean, 2)`` (eval.py); ``score`` = mean over the English tasks present
+        (over the Chinese ones if only those ran), ``score_zh`` = mean over the Chinese tasks present."""
+        per_task: dict[str, list[float]] = {}
+        for row in rows:
+            per_task.setdefault(row["task"], []).append(float(row["scores"]["score"]))
+        tasks = {t: round(100 * sum(v) / len(v), 2) for t, v in per_task.items()}
+        english = [tasks[t] for t in ENGLISH_TASKS if t in tasks]
+        chinese = [tasks[t] for t in CHINESE_TASKS if t in tasks]
+        out = {"score": _mean(english or chinese), "tasks": tasks, "n_samples": len(rows),
+               "n_english_tasks": len(english),
+               "data": sorted({str(row.get("meta", {}).get("data", "?")) for row in rows})}
+        if chinese:
+            out["score_zh"] = _mean(chinese)
+        return out
+
+
+def _select_tasks(tasks, chinese: bool) -> list[str]:
+    selected = list(ENGLISH_TASKS) if tasks is None else [str(t) for t in tasks]
+    if chinese:
+        selected += [t for t in CHINESE_TASKS if t not in selected]
+    unknown = [t for t in selected if t not in ENGLISH_TASKS + CHINESE_TASKS]
+    if unknown or not selected:
+        raise ValueError(f"longbench: unknown or no task(s) {unknown}; valid: {', '.join(ENGLISH_TASKS + CHINESE_TASKS)}")
+    return list(dict.fromkeys(selected))
+
+
+def _check_row(row, task: str, where: str) -> None:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object with fields {REQUIRED_FIELDS}, got {type(row).__name__}")
+    for name in REQUIRED_FIELDS + (("all_classes",) if task in CLASSIFICATION_TASKS else ()):
+        if row.get(name) is None:
+            raise DataError(f"{where}: missing field '{name}' (a LongBench {task} row needs {name})")
+    for name in ("answers",) + (("all_classes",) if task in CLASSIFICATION_TASKS else ()):
+        if not isinstance(row[name], list):
+            raise DataError(f"{where}: field '{name}' must be a list, got {type(row[name]).__name__}")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

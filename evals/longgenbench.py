@@ -1,0 +1,158 @@
+"""LongGenBench (Wu et al., "LongGenBench: Benchmarking Long-Form Generation in Long Context LLMs",
+arXiv 2409.02076; mozhu621/LongGenBench at ``62c0e86``): the model writes one long structured document
+(a 52-week diary, a 100-floor building, ...) that must mention given events in given units
+(reference/evals.md §5.1).
+
+Generation (``Evalution/inference.py``): the item's raw ``prompt`` without a chat template (it ends with
+``"*** started ***\\n" + prefix``), stop string ``"*** finished"``, at most 16,000 (short) / 32,000 (long)
+new tokens; the harness caps that at ``max_length - prompt tokens`` and records both numbers in the
+sample's meta. The official sampling (temperature 0.95, top-p 0.95) is the runner's business; the harness
+decodes greedily.
+
+Scoring (``Evalution/eval.py``): ``output = prefix + generated text`` is split on ``"#*#"``; the first block
+matching ``"{type} (\\d+)"`` is unit ``\\d+``'s block. For every check (``checks_once``, ``checks_range``,
+``checks_periodic``: ``{"<unit>": "<event>"}``) whose unit has a block, the judge gets
+``"Context: " + block + "### Instruction: Does this context include the {event}? Please answer with 'yes'
+or 'no' only."`` (raw prompt, 50 new tokens) and the verdict is yes iff ``'yes' in reply.strip().lower()``.
+Checks without a block are left out. Accuracy per kind = yes / judged, pooled over all items (0 when none
+was judged); Completion Rate = mean over items of ``100 * |units found in 1..number| / number``; Average
+Accuracy = mean of the three accuracies. The judge is the ``generate`` callable given to :meth:`score`
+(officially Llama-3.1-8B-Instruct; by default here the model under test; ``judge_model`` names it in the
+results).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterator
+
+from .base import DataError, GenerateFn, Sample, Suite
+
+MAX_NEW_TOKENS = {"short": 16000, "long": 32000}
+KINDS = ("once", "range", "periodic")
+STOP = "*** finished"
+JUDGE_MAX_NEW_TOKENS = 50
+FIELDS = {"prompt": str, "prefix": str, "type": str, "number": int,
+          "checks_once": dict, "checks_range": dict, "checks_periodic": dict}
+
+
+def parse_blocks(output: str, unit_type: str) -> dict[int, str]:
+    """``parse_blocks`` on ``output.split('#*#')``: unit number -> its first block."""
+    found: dict[int, str] = {}
+    for block in output.split("#*#"):
+        match = re.search(rf"{re.escape(unit_type)} (\d+)", block)
+        if match:
+            found.setdefault(int(match.group(1)), block)
+    return found
+
+
+def judge_prompts(checks: dict[str, str], blocks: dict[int, str]) -> list[tuple[int, str]]:
+    """``create_prompts``: (unit, judge prompt) for every check whose unit has a block."""
+    return [(int(unit), "Context: " + blocks[int(unit)] + f"### Instruction: Does this context include the "
+             f"{event}? Please answer with 'yes' or 'no' only.")
+            for unit, event in checks.items() if int(unit) in blocks]
+
+
+def completion_rate(blocks: dict[int, str], number: int) -> float:
+    """``calculate_completion_rate``: percentage of units 1..number that have a block."""
+    return 100.0 * len(set(blocks) & set(range(1, number + 1))) / number
+
+
+def task_name(unit_type: str) -> str:
+    return unit_type.lower().replace(" ", "_")
+
+
+class LongGenBench(Suite):
+    """LongGenBench (Wu et al.). Options: ``subset`` (short = Dataset_short.json, 16K; long =
+    Dataset_long.json, 32K), ``types`` (a subset of the item types, e.g. ``[Week, Floor]``; default all),
+    ``judge_model`` (a name recorded with the results; ``null`` = the model under test).
+    ``limit`` caps the items per type. Sample ids: ``<subset>-<item index in the file>``."""
+
+    name = "longgenbench"
+    needs_data = True
+
+    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = None, **common):
+        super().__init__(tokenizer, **common)
+        if subset not in MAX_NEW_TOKENS:
+            raise ValueError(f"longgenbench subset must be one of {sorted(MAX_NEW_TOKENS)}, got {subset!r}")
+        self.subset = subset
+        self.types = list(types) if types else None
+        self.judge_model = judge_model
+        self.path = self.require_file(f"longgenbench/Dataset_{subset}.json")
+
+    def items(self) -> list[dict]:
+        """The dataset's items, checked field by field."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{self.path}: not valid JSON ({err})") from None
+        if not isinstance(data, list):
+            raise DataError(f"{self.path}: expected a JSON list of items")
+        for i, item in enumerate(data):
+            for key, kind in FIELDS.items():
+                if not isinstance(item.get(key) if isinstance(item, dict) else None, kind):
+                    raise DataError(f"{self.path}: item {i} needs field '{key}' of type {kind.__name__}")
+            if not item["prompt"].endswith(item["prefix"]):
+                raise DataError(f"{self.path}: item {i}'s prompt does not end with its prefix")
+        present = {item["type"] for item in data}
+        if self.types and set(self.types) - present:
+            raise ValueError(f"longgenbench types {sorted(set(self.types) - present)} not in {self.path}; "
+                             f"valid: {sorted(present)}")
+        return data
+
+    def samples(self) -> Iterator[Sample]:
+        taken: dict[str, int] = {}
+        for index, item in enumerate(self.items()):
+            kind = item["type"]
+            if (self.types and kind not in self.types) or (self.limit and taken.get(kind, 0) >= self.limit):
+                continue
+            taken[kind] = taken.get(kind, 0) + 1
+            ids = self.tokenizer(item["prompt"])["input_ids"]
+            room = self.max_length - len(ids)
+            if room < 1:
+                raise ValueError(f"longgenbench item {index}: the prompt has {len(ids)} tokens, no room to "
+                                 f"generate within max_length={self.max_length}")
+            yield Sample(id=f"{self.subset}-{index}", task=task_name(kind), prompt_ids=ids,
+                         max_new_tokens=min(MAX_NEW_TOKENS[self.subset], room), stop=[STOP],
+                         reference={key: item[key] for key in FIELDS if key != "prompt"},
+                         meta={"subset": self.subset, "type": kind, "number": item["number"],
+                               "official_max_new_tokens": MAX_NEW_TOKENS[self.subset],
+                               "judge_model": self.judge_model or "model under test"})
+
+    def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
+        """Judged checks of one item: ``<kind>_yes`` / ``<kind>_judged`` counts, its completion rate (0-100),
+        the output's word count and ``score`` = this item's mean of the three accuracies (0-1)."""
+        if generate is None:
+            raise ValueError("longgenbench scoring needs a judge: pass generate(prompt, max_new_tokens) -> text")
+        ref = sample.reference
+        output = ref["prefix"] + prediction
+        blocks = parse_blocks(output, ref["type"])
+        scores: dict[str, float] = {"completion_rate": completion_rate(blocks, ref["number"]),
+                                    "word_count": float(len(output.split()))}
+        for kind in KINDS:
+            prompts = judge_prompts(ref[f"checks_{kind}"], blocks)
+            yes = sum("yes" in generate(p, JUDGE_MAX_NEW_TOKENS).strip().lower() for _, p in prompts)
+            scores[f"{kind}_yes"], scores[f"{kind}_judged"] = float(yes), float(len(prompts))
+        scores["score"] = sum(_accuracy([scores], k) for k in KINDS) / len(KINDS)
+        return scores
+
+    def aggregate(self, rows: list[dict]) -> dict:
+        """Pooled (micro) accuracies as ``eval.py`` computes them; ``score`` = 100 x Average Accuracy."""
+        scores = [row["scores"] for row in rows]
+        acc = {k: _accuracy(scores, k) for k in KINDS}
+        average = sum(acc.values()) / len(KINDS)
+        per_task: dict[str, list[dict]] = {}
+        for row in rows:
+            per_task.setdefault(row["task"], []).append(row["scores"])
+        tasks = {t: 100 * sum(_accuracy(s, k) for k in KINDS) / len(KINDS) for t, s in sorted(per_task.items())}
+        return {"score": 100 * average, "average_accuracy": average,
+                "completion_rate": sum(s["completion_rate"] for s in scores) / len(scores) if scores else 0.0,
+                "accuracy_once": acc["once"], "accuracy_range": acc["range"], "accuracy_periodic": acc["periodic"],
+                "tasks": tasks, "subset": self.subset, "judge_model": self.judge_model or "model under test",
+                "n_samples": len(rows)}
+
+
+def _accuracy(scores: list[dict], kind: str) -> float:
+    judged = sum(s[f"{kind}_judged"] for s in scores)
+    return sum(s[f"{kind}_yes"] for s in scores) / judged if judged else 0.0

@@ -1,0 +1,114 @@
+"""The one place where the model is driven: greedy decoding with explicit cache phases and per-token
+timestamps (nanoGPT/gpt-fast style: the whole loop, top to bottom, in :func:`generate`).
+
+Timing (reference/evals.md §6, PQCache's definitions):
+- TTFT: request start -> first generated token (prefill, plus any ``decode_ids`` fed through the decode
+  path before generation).
+- TT2T: request start -> second generated token. It includes the first decode step that uses the
+  compressed/offloaded cache, hence any wait for background index builds started at prefill.
+- TPOT: per-token intervals of tokens 3..N, i.e. ``(T_N - TT2T) / (N - 2)``; mean, p50 and p90.
+- Breakdown: seconds per output token in select / transfer / attention / update (summed over layers,
+  measured by the method base class) and ``other`` = step wall time minus their sum, over the same steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from icecache.kv import KVCache, KVMethod, ModelSpec
+from icecache.kv import compat
+from icecache.kv.timing import PHASES
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    n_prompt_tokens: int
+    ttft_s: float
+    tt2t_s: float | None
+    intervals_s: list[float] = field(default_factory=list)  # tokens 3..N
+    breakdown_s: dict[str, float] = field(default_factory=dict)  # summed over the same steps
+    effective_tokens: list[float | None] = field(default_factory=list)
+    max_resident_tokens: int = 0
+
+    def timing(self) -> dict:
+        return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
+                "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
+                "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens}
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config else None
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return set(ids)
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_tokens: int,
+             decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
+             profile: bool = False) -> Generation:
+    """Greedy generation of one sample with a fresh cache of ``method``."""
+    device = next(model.parameters()).device
+    compat.enable_attention(model)
+    cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
+    kw = compat.cache_kwargs(cache)
+    eos = set() if ignore_eos else _stop_ids(model, tokenizer)
+    try:
+        start = _now(device)
+        cache.begin_prefill()
+        logits = model(torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1, **kw).logits
+        for tok in decode_ids:  # e.g. the passkey question, answered by the query-aware cache
+            cache.begin_step()
+            logits = model(torch.tensor([[tok]], device=device), use_cache=True, **kw).logits
+            cache.end_step()
+        token = int(logits[0, -1].argmax())
+        stamps, out, breakdown = [_now(device)], [token], {p: 0.0 for p in (*PHASES, "other")}
+        max_resident = cache.max_budgeted_resident()
+        while len(out) < max_new_tokens and token not in eos and not _hits_stop(tokenizer, out, stop):
+            step_start = _now(device)
+            cache.begin_step()
+            logits = model(torch.tensor([[token]], device=device), use_cache=True, **kw).logits
+            phases = cache.end_step()
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            stamps.append(_now(device))
+            max_resident = max(max_resident, cache.max_budgeted_resident())
+            if len(out) >= 3:  # TPOT and its breakdown cover tokens 3..N
+                for p in PHASES:
+                    breakdown[p] += phases.get(p, 0.0)
+                breakdown["other"] += (stamps[-1] - step_start) - sum(phases.values())
+        if out[-1] in eos:
+            out = out[:-1]
+        text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
+        return Generation(
+            token_ids=out, text=_cut_at_stop(text, stop), n_prompt_tokens=len(prompt_ids) + len(decode_ids),
+            ttft_s=stamps[0] - start, tt2t_s=stamps[1] - start if len(stamps) > 1 else None,
+            intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
+            effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident)
+    finally:
+        cache.close()
+
+
+def _hits_stop(tokenizer, out: list[int], stop) -> bool:
+    if not stop or tokenizer is None:
+        return False
+    tail = tokenizer.decode(out[-16:], skip_special_tokens=True)
+    return any(s in tail for s in stop)
+
+
+def _cut_at_stop(text: str, stop) -> str:
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    return text

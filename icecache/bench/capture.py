@@ -1,0 +1,109 @@
+"""Capture real post-RoPE keys and decode queries of SmolLM2 for the index benchmark (icecache.md §10).
+
+Usage::
+
+    python -m icecache.bench.capture --out keys.pt [--data-dir ../shared/data] [--tokens 8000]
+
+The prompt is ~``--tokens`` tokens of Paul Graham essays (``<data_dir>/pg_essays/PaulGrahamEssays.json``)
+with a pass-key sentence at 40% depth and a question at the end, as in §10. The model
+(``smollm2-135m``, bf16, CPU) runs the prefill and ``--steps`` greedy decode steps with a
+:class:`CaptureCache` (a ``FullCache`` that records the keys of the prompt and the decode queries).
+
+Output (``torch.save``), the format ``icecache.bench.index --keys`` reads:
+
+- ``"keys"``: per budgeted layer ``[H_kv, n, d]`` bf16 post-RoPE keys of the prompt,
+- ``"queries"``: per budgeted layer ``[steps, H_q, d]`` bf16 post-RoPE decode queries,
+- ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, §1),
+- ``"meta"``: prompt length, pass key, its token depth, generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from baselines.full import FullCache
+from icecache.kv import make_cache
+
+ESSAYS = "pg_essays/PaulGrahamEssays.json"
+N_DENSE_LAYERS = 2  # n_unlimited_layers of IceCache (§1): layers 0, 1 are never budgeted
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass
+class CaptureCache(FullCache):
+    """Full attention that records, per layer, the prompt keys and every decode step's queries."""
+
+    keys: dict = field(default_factory=dict, init=False, repr=False)
+    queries: dict = field(default_factory=dict, init=False, repr=False)
+
+    def prefill(self, st, q, k, v):
+        self.keys[st.layer_idx] = k.detach().to(torch.bfloat16).clone()
+        return super().prefill(st, q, k, v)
+
+    def decode(self, st, q, k, v, timer):
+        self.queries.setdefault(st.layer_idx, []).append(q[:, -1].detach().to(torch.bfloat16).clone())
+        return super().decode(st, q, k, v, timer)
+
+
+def build_prompt(tokenizer, data_dir: Path, n_tokens: int, depth: float = 0.4, seed: int = 0) -> tuple[str, int]:
+    """Essay text of ~``n_tokens`` tokens with the pass-key sentence inserted at ``depth`` (by tokens)."""
+    text = json.loads((data_dir / ESSAYS).read_text())["text"]
+    key = random.Random(seed).randrange(1, 50000)
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    budget = n_tokens - len(tokenizer(needle + QUESTION).input_ids)
+    ids = tokenizer(text[: budget * 8]).input_ids[:budget]
+    cut = int(len(ids) * depth)
+    prompt = tokenizer.decode(ids[:cut]) + needle + tokenizer.decode(ids[cut:]) + QUESTION
+    return prompt, key
+
+
+def capture(model_name: str, data_dir: Path, n_tokens: int, steps: int, threads: int) -> dict:
+    from icecache.models import load_model, load_tokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(model_name)
+    prompt, key = build_prompt(tokenizer, data_dir, n_tokens)
+    model = load_model(model_name)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    method = CaptureCache()
+    cache = make_cache(method, model)
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                             do_sample=False)
+    layers = sorted(i for i in method.queries if i >= N_DENSE_LAYERS)
+    generated = tokenizer.decode(out[0, ids.shape[1]:])
+    return {
+        "keys": [method.keys[i] for i in layers],
+        "queries": [torch.stack(method.queries[i][:steps]) for i in layers],
+        "layers": layers,
+        "meta": {"model": model_name, "prompt_tokens": int(ids.shape[1]), "pass_key": key,
+                 "depth": 0.4, "steps": steps, "generated": generated},
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--data-dir", default=os.environ.get("ICECACHE_DATA_DIR", "../shared/data"))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    data = capture(args.model, Path(args.data_dir), args.tokens, args.steps, args.threads)
+    torch.save(data, args.out)
+    k, q = data["keys"][0], data["queries"][0]
+    print(f"wrote {args.out}: {len(data['layers'])} layers, keys {list(k.shape)}, queries {list(q.shape)}; "
+          f"generated {data['meta']['generated']!r} (pass key {data['meta']['pass_key']})")
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Index benchmark: M-DCI build / query / insert time and attention-mass recall of page selectors.
+
+Usage::
+
+    python -m icecache.bench.index [--keys capture.pt] [--out bench_index.json]
+
+``--keys`` takes a captured file of real post-RoPE keys and decode queries, a ``torch.save``'d dict:
+
+- ``"keys"``: list over layers of ``[H_kv, n, d]`` (bf16) keys of the prompt,
+- ``"queries"``: list over layers of ``[steps, H_q, d]`` post-RoPE decode queries,
+- ``"layers"``: list of the model's layer ids of these entries (the budgeted layers).
+
+Without a file, synthetic clustered keys with temporal locality are used (and the output says so).
+
+Times are per layer (``H_kv`` KV heads, ``H_q`` query heads, ``K = 12`` pages), measured side by side
+in one process on ``torch.set_num_threads(2)``; the brute force is the exact top-``16K`` tokens of
+``q.K`` in torch bf16 on the same keys. Recall (icecache.md §10) is the share of the exact fp64
+softmax attention of a query head that falls on the tokens it may attend to: sink pages, window
+pages and the pages (or tokens) a selector retrieves for its KV head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import numpy as np
+import torch
+
+from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
+
+PAGE = 16
+# budget in tokens -> (sink pages, window pages, retrieved pages), icecache.md §10
+BUDGETS = {512: (2, 2, 28), 256: (2, 2, 12), 128: (2, 2, 4), 64: (1, 2, 1)}
+SIZES = (8192, 32768, 131072)
+K_TIMING = 12
+
+
+# ----------------------------------------------------------------------------- data
+
+def synthetic(n: int = 8192, heads: int = 3, q_heads: int = 9, dim: int = 64, steps: int = 16,
+              seed: int = 0) -> dict:
+    """Clustered keys with temporal locality: runs of tokens about one of 64 topics per head, a shared
+    key bias (as in real post-RoPE keys), and queries that attend to a few topics."""
+    gen = torch.Generator().manual_seed(seed)
+    topics = torch.randn(heads, 64, dim, generator=gen)
+    bias = 2.0 * torch.randn(heads, 1, dim, generator=gen)
+    run = torch.randint(8, 128, (n,), generator=gen).cumsum(0)
+    topic_of = torch.randint(0, 64, (int((run < n).sum()) + 1,), generator=gen)
+    seg = torch.searchsorted(run, torch.arange(n), right=True)
+    keys = bias + topics[:, topic_of[seg]] + 0.7 * torch.randn(heads, n, dim, generator=gen)
+    group = q_heads // heads
+    pick = torch.randint(0, 64, (steps, q_heads, 2), generator=gen)
+    q = torch.stack([topics[h // group][pick[:, h]].sum(1) for h in range(q_heads)], 1)
+    q = 1.5 * q + 0.5 * torch.randn(steps, q_heads, dim, generator=gen)
+    return {"keys": [keys.bfloat16()], "queries": [q.bfloat16()], "layers": [0], "synthetic": True}
+
+
+def load(path: str | None) -> dict:
+    if path is None:
+        return synthetic()
+    data = torch.load(path, map_location="cpu")
+    data["synthetic"] = False
+    return data
+
+
+def tile(keys: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
+    """Repeat ``keys [H, n0, d]`` to ``n`` tokens per head and perturb (noise 5% of the key std)."""
+    gen = torch.Generator().manual_seed(seed)
+    reps = math.ceil(n / keys.shape[1])
+    out = keys.float().repeat(1, reps, 1)[:, :n]
+    out = out + 0.05 * keys.float().std() * torch.randn(out.shape, generator=gen)
+    return out.bfloat16()
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _best_ms(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _mean_ms(fn, calls: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def brute_force(keys_bf16: torch.Tensor, queries: torch.Tensor, k_tokens: int) -> torch.Tensor:
+    """Exact top-``k_tokens`` of ``q.k`` per query head in torch bf16 (GQA: q-head i -> KV head i//r)."""
+    heads = keys_bf16.shape[0]
+    q = queries.bfloat16().view(heads, -1, queries.shape[-1])
+    return torch.bmm(q, keys_bf16.transpose(1, 2)).topk(k_tokens, dim=-1).indices
+
+
+def time_sizes(keys: torch.Tensor, queries: torch.Tensor, sizes, cfg: DCIConfig) -> dict:
+    """Build / query / insert time of the index and brute-force query time at each size."""
+    out = {}
+    for n in sizes:
+        big = tile(keys, n)
+        ids = torch.arange(n)
+        repeats = 3 if n <= 32768 else 1
+        build_ms = _best_ms(lambda: MDCIIndex.build(big, ids, cfg), repeats)
+        index = MDCIIndex.build(big, ids, cfg)
+        step = iter(range(10**9))
+
+        def query():
+            index.search(queries[next(step) % len(queries)], K_TIMING)
+
+        query_ms = _mean_ms(query, 100)
+        new = [tile(keys, 16, seed=s + 1) for s in range(8)]
+        count = iter(range(10**9))
+
+        def insert():
+            c = next(count)
+            index.insert(new[c % len(new)], torch.arange(n + 16 * c, n + 16 * c + 16))
+
+        insert_ms = _mean_ms(insert, 50)
+        bf = big.contiguous()
+        brute_ms = _mean_ms(lambda: brute_force(bf, queries[next(step) % len(queries)],
+                                                PAGE * K_TIMING), 30)
+        out[str(n)] = {"icecache": {"build_ms": build_ms, "query_ms": query_ms,
+                                    "insert_ms": insert_ms},
+                       "brute_force": {"query_ms": brute_ms}}
+        print(f"  {n:>7} keys/head: build {build_ms:8.2f} ms | query {query_ms:6.3f} ms "
+              f"(brute force {brute_ms:6.3f} ms) | insert 16 {insert_ms:6.3f} ms", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- recall
+
+def _order_pages(n_tokens: int, start: int, stop: int) -> torch.Tensor:
+    """Token-order pages over ``[start, stop)``: ``[n_pages, PAGE]`` token ids, -1 padded."""
+    ids = torch.arange(start, stop)
+    pad = (-len(ids)) % PAGE
+    return torch.cat([ids, torch.full((pad,), -1)]).view(-1, PAGE)
+
+
+def _mask_from_pages(n: int, heads: int, pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``[H_kv, n]`` bool mask of the tokens in ``pages [H_kv, K]`` (ids into ``table [H, P, S]``)."""
+    mask = torch.zeros(heads, n, dtype=torch.bool)
+    for h in range(heads):
+        sel = pages[h][pages[h] >= 0]
+        tok = table[h][sel].flatten() if table.dim() == 3 else table[sel].flatten()
+        mask[h, tok[tok >= 0]] = True
+    return mask
+
+
+def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, index: MDCIIndex,
+                   n_s: int, n_w: int, k: int) -> dict:
+    """Attended-token masks ``[H_kv, n]`` of every selector at one decode step."""
+    heads, n, _ = keys.shape
+    group = q.shape[0] // heads
+    lo, hi = n_s * PAGE, n - n_w * PAGE
+    base = torch.zeros(heads, n, dtype=torch.bool)
+    base[:, :lo] = True
+    base[:, hi:] = True
+    masks = {}
+    pages = merge_gqa(index.search(q, k, n_seq=n), group, k)
+    masks["icecache"] = base | _mask_from_pages(n, heads, pages, index.page_table)
+
+    order = _order_pages(n, lo, hi)  # [P, S]
+    mass = probs.view(heads, group, n).sum(1)  # attention of the group, per KV head
+    page_mass = torch.where(order >= 0, mass[:, order.clamp_min(0)], 0.0).sum(-1)  # [H, P]
+    masks["oracle_pages"] = base | _mask_from_pages(n, heads, page_mass.topk(min(k, len(order))).indices, order)
+
+    mid = mass[:, lo:hi].topk(min(k * PAGE, hi - lo)).indices + lo
+    tok_mask = torch.zeros(heads, n, dtype=torch.bool)
+    tok_mask.scatter_(1, mid, True)
+    masks["oracle_tokens"] = base | tok_mask
+
+    kf = keys.float()[:, order.clamp_min(0)]  # [H, P, S, d]
+    valid = (order >= 0)[None, :, :, None]
+    kmin = torch.where(valid, kf, float("inf")).amin(2)
+    kmax = torch.where(valid, kf, float("-inf")).amax(2)
+    qf = q.float().view(heads, group, 1, -1)
+    bound = torch.maximum(qf * kmin[:, None], qf * kmax[:, None]).sum(-1)  # [H, r, P]
+    quest = merge_gqa(bound.topk(min(k, len(order)), -1).indices.view(heads * group, -1), group, k)
+    masks["quest"] = base | _mask_from_pages(n, heads, quest, order)
+
+    budget = (n_s + n_w + k) * PAGE
+    stream = torch.zeros(heads, n, dtype=torch.bool)
+    stream[:, :4] = True
+    stream[:, n - (budget - 4):] = True
+    masks["streaming_llm"] = stream
+    return masks
+
+
+def recall(data: dict, budgets, cfg: DCIConfig) -> dict:
+    """Attention-mass recall per budget and selector over every layer, step and query head."""
+    values: dict[int, dict[str, list]] = {b: {} for b in budgets}
+    for keys, queries in zip(data["keys"], data["queries"]):
+        heads, n, dim = keys.shape
+        k64 = keys.double()
+        for b in budgets:
+            n_s, n_w, k = BUDGETS[b]
+            lo, hi = n_s * PAGE, n - n_w * PAGE
+            index = MDCIIndex.build(keys[:, lo:hi], torch.arange(lo, hi), cfg)
+            for q in queries:
+                group = q.shape[0] // heads
+                logits = torch.einsum("hrd,hnd->hrn", q.double().view(heads, group, dim), k64)
+                probs = (logits / math.sqrt(dim)).softmax(-1).reshape(heads * group, n)
+                masks = selector_masks(keys, q, probs, index, n_s, n_w, k)
+                for name, mask in masks.items():
+                    per_q = (probs * mask.repeat_interleave(group, 0)).sum(-1)
+                    values[b].setdefault(name, []).extend(per_q.tolist())
+    return {str(b): {name: {"p50": float(np.percentile(v, 50)), "p10": float(np.percentile(v, 10)),
+                            "mean": float(np.mean(v))} for name, v in per.items()}
+            for b, per in values.items()}
+
+
+# ----------------------------------------------------------------------------- main
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": "bfloat16 keys, fp32 index",
+            "cpu": cpu, "python": platform.python_version()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--keys", default=None, help="captured .pt file (see module docstring)")
+    parser.add_argument("--out", default="bench_index.json")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--budgets", default="64,128,256,512")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = load(args.keys)
+    cfg = DCIConfig()
+    src = "SYNTHETIC clustered keys (no --keys file given)" if data["synthetic"] else f"captured keys {args.keys}"
+    keys0, queries0 = data["keys"][0], data["queries"][0]
+    print(f"M-DCI index benchmark on {src}: {len(data['keys'])} layer(s), "
+          f"H_kv={keys0.shape[0]}, H_q={queries0.shape[1]}, d={keys0.shape[2]}, n={keys0.shape[1]}")
+    print(f"timing per layer (K={K_TIMING} pages), {args.threads} threads:")
+    sizes = time_sizes(keys0, queries0, [int(s) for s in args.sizes.split(",")], cfg)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rec = recall(data, budgets, cfg)
+    names = list(next(iter(rec.values())).keys())
+    print("mean recall (p10) by budget:")
+    print(f"  {'selector':<15}" + "".join(f"{b:>16}" for b in budgets))
+    for name in names:
+        print(f"  {name:<15}" + "".join(
+            f"{rec[str(b)][name]['mean']:>9.3f} ({rec[str(b)][name]['p10']:.3f})" for b in budgets))
+    result = {"source": src, "sizes": sizes, "recall": rec, "machine": machine()}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-efficient KV-cache Management for Long-Sequence
+LLMs", ICLR 2026, arXiv 2604.10539) and IceCache(reuse); spec: reference/icecache.md §1, §4, §5.
+
+Regions of a budgeted layer (§1), in pages of ``page_size`` tokens, all on the device:
+
+    [ sink: n_sink pages | K retrieved page slots per KV head | window: n_window pages ]
+
+The budget ``B`` tokens = ``B / page_size`` pages, sink and window included, so ``K = B/page_size -
+n_sink - n_window``. Every other token is *offloaded*: its K/V live in an :class:`~icecache.offload.
+OffloadStore` (host memory, pinned on CUDA) and its key in the layer's M-DCI index (``icecache.dci``),
+whose pages are groups of semantically close sibling tokens.
+
+* Prefill (§5): exact full causal attention; then the layer's job goes to the background worker:
+  move the offloaded tokens (everything but the sink pages and the last ``n_window`` token-order pages)
+  into the offload store and build the M-DCI index over them (token ids = absolute positions). The
+  layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
+  computes the worker builds layer ``i`` (pipelined prefill). A prompt of at most ``B`` tokens is
+  not indexed (official fallback): the layer attends everything until its context first exceeds
+  ``B`` tokens, then offloads and builds the index at that step (the official code never indexes after
+  prefill and lets the table outgrow the budget; we keep the budget).
+* Decode (§4): the new token joins the window. One index search per query head (``K`` pages,
+  field of view from the sequence length), GQA merge per KV head (rank-interleaved, capped at ``K``:
+  ``gqa_merge="interleaved"``, official; ``"union"`` keeps the whole union, an ablation that attends
+  up to ``group * K`` pages per KV head, i.e. over the budget). Pages already resident in a slot and
+  not changed since keep their slot; only new or changed pages are bulk-loaded (one packed transfer,
+  :meth:`OffloadStore.bulk_load`) into the slots freed by pages that dropped out. Attention runs over
+  sink + selected pages + window, the empty slots of under-filled pages masked (head axis ``H_kv``).
+* Window eviction (§4 "New tokens"): when the newest window page fills, the oldest window page leaves
+  the window: its K/V go to the offload store at once and its keys are inserted into the index at the
+  start of the next step, before the search (as the official code stages them); the pages the insert
+  changed are marked stale, so a resident copy is refetched when selected again.
+
+Budget layouts (§1, §9 "64-token budget"): ``budget_layout="auto"`` (default) lowers the sink to as
+few as one page when the budget would otherwise leave no retrieved page, so 64 tokens with 16-token
+pages = (1 sink, 1 retrieved, 2 window) — the setting of reference §10's measurements — while 80
+tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as given. The other
+option the reference lists, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
+
+Accounting: :meth:`resident_tokens` counts the device-side resident set of a budgeted layer, sink +
+every retrieved slot's capacity + window (at most ``B - 1`` past tokens between steps); the offload
+store is not resident. ``state.bytes_moved`` (total) and ``state.step_bytes`` (last step) count the
+bytes copied from the store to the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
+from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.offload import OffloadStore
+
+
+class IceState(LayerState):
+    """One layer: before offloading, the inherited ``k, v, pos`` hold every token (dense layers always);
+    after, the device holds ``sink_*``, the page slots ``slot_*`` and the window ``win_*``."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layer_idx)
+        self.offloaded = False
+        self.sink_k = self.sink_v = None  # [H_kv, n_sink * s, d]
+        self.win_k = self.win_v = None  # [H_kv, w, d], positions win_start ..
+        self.win_start = 0
+        self.slot_k = self.slot_v = None  # [H_kv, W, s, d] retrieved pages (device)
+        self.slot_page: torch.Tensor | None = None  # [H_kv, W] page id held per slot, -1 = empty
+        self.slot_tokens: torch.Tensor | None = None  # [H_kv, W, s] absolute positions, -1 = empty
+        self.store: OffloadStore | None = None
+        self.index: MDCIIndex | None = None  # anchors only
+        self.selection: torch.Tensor | None = None  # [H_kv, W] pages selected at step ``selected_at``
+        self.selected_at = -1
+        self.staged: torch.Tensor | None = None  # keys of the evicted window page, inserted next step
+        self.changed: torch.Tensor | None = None  # [H_kv, n_pages] pages changed by the last insert
+        self.changed_at = -1
+        self.bytes_moved = 0
+        self.step_bytes = 0
+
+
+@dataclass
+class IceCache(KVMethod):
+    """Paged offloading with M-DCI page retrieval.
+
+    Args:
+        budget: past tokens per head per step in a budgeted layer, a multiple of ``page_size`` (sink and
+            window included; 256 = 2 sink + 12 retrieved + 2 window pages).
+        page_size: tokens per page = M-DCI leaf capacity (16 in every official script).
+        n_sink_pages: first pages always resident (official 2; see ``budget_layout``).
+        n_window_pages: most recent pages always resident, the last one being filled (official 2, >= 2).
+        budget_layout: ``"auto"``: fewer sink pages (down to 1) when the budget leaves no retrieved page
+            (64 tokens -> 1 sink + 1 retrieved + 2 window pages); ``"fixed"``: ``n_sink_pages`` as given.
+        n_dense_layers: first layers kept dense (official ``n_unlimited_layers`` = 2).
+        gqa_merge: ``"interleaved"`` (official ``first_k_unique``, capped at ``K`` pages per KV head) or
+            ``"union"`` (every page any query head of the group selected; over the budget by design).
+        always_index: also index prompts of at most ``budget`` tokens (official: only longer ones); with a
+            budget that covers the context, every page is then retrieved through the index.
+        ratio_1, ratio_2, search_ratio, min_fov, prop_to_retrieve, seed: M-DCI parameters
+            (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts).
+    """
+
+    page_size: int = 16
+    n_sink_pages: int = 2
+    n_window_pages: int = 2
+    budget_layout: str = "auto"
+    n_dense_layers: int = 2
+    gqa_merge: str = "interleaved"
+    always_index: bool = False
+    ratio_1: float = 0.01
+    ratio_2: float = 0.2
+    search_ratio: float = 1.5e-3
+    min_fov: int = 30
+    prop_to_retrieve: float = 0.8
+    seed: int = 0
+    name: ClassVar[str] = "icecache"
+    _states: dict = field(default_factory=dict, init=False, repr=False)
+
+    # ------------------------------------------------------------------ configuration
+    def layout(self, budget: int | None = None) -> tuple[int, int, int]:
+        """``(sink, window, retrieved)`` pages of a budget (default: this method's)."""
+        pages = (self.budget if budget is None else budget) // self.page_size
+        sink = self.n_sink_pages
+        if self.budget_layout == "auto":
+            sink = min(sink, max(1, pages - self.n_window_pages - 1))
+        return sink, self.n_window_pages, pages - sink - self.n_window_pages
+
+    def check_budget(self) -> None:
+        if self.budget_layout not in ("auto", "fixed"):
+            raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
+        if self.gqa_merge not in ("interleaved", "union"):
+            raise ValueError(f"{self.name}: gqa_merge must be 'interleaved' or 'union', got {self.gqa_merge!r}")
+        if self.n_window_pages < 2 or self.n_sink_pages < 0 or self.page_size < 2:
+            raise ValueError(f"{self.name}: needs n_window_pages >= 2 (official assertion), n_sink_pages >= 0 "
+                             "and page_size >= 2")
+        s = self.page_size
+        smallest = (min(self.n_sink_pages, 1) if self.budget_layout == "auto" else self.n_sink_pages)
+        smallest = (smallest + self.n_window_pages + 1) * s
+        if self.budget is None:
+            raise BudgetError(f"{self.name} needs a budget in tokens (a multiple of page_size={s}, "
+                              f">= {smallest}), e.g. budget={max(smallest, 128)}")
+        if self.budget % s or self.layout()[2] < 1:
+            near = sorted({max(smallest, self.budget // s * s), max(smallest, -(-self.budget // s) * s)})
+            raise BudgetError(f"{self.name}: budget {self.budget} is invalid: it must be a multiple of "
+                              f"page_size={s} leaving sink ({self.layout()[0]} pages) + window "
+                              f"({self.n_window_pages} pages) + at least one retrieved page; nearest valid "
+                              f"budgets: {' or '.join(map(str, near))}")
+
+    def bind(self, spec: ModelSpec) -> None:
+        super().bind(spec)
+        self.n_slots = self.layout()[2] * (spec.group if self.gqa_merge == "union" else 1)
+
+    def dci_config(self) -> DCIConfig:
+        return DCIConfig(page_size=self.page_size, ratio_1=self.ratio_1, ratio_2=self.ratio_2,
+                         search_ratio=self.search_ratio, min_fov=self.min_fov,
+                         prop_to_retrieve=self.prop_to_retrieve, seed=self.seed)
+
+    def new_state(self, layer_idx: int) -> IceState:
+        self._states[layer_idx] = IceState(layer_idx)
+        return self._states[layer_idx]
+
+    def is_budgeted(self, layer_idx: int) -> bool:
+        return layer_idx >= self.n_dense_layers
+
+    def index_threshold(self) -> int:
+        """A budgeted layer offloads once it holds more tokens than this (official: ``B``)."""
+        sink, window, _ = self.layout()
+        return (sink + window) * self.page_size if self.always_index else self.budget
+
+    # ------------------------------------------------------------------ cross-layer hooks (reuse)
+    def builds_index(self, layer_idx: int) -> bool:
+        return True
+
+    def page_source(self, st: IceState) -> IceState:
+        """The state whose index lays out this layer's pages (itself; the anchor in IceCache(reuse))."""
+        return st
+
+    # ------------------------------------------------------------------ prefill (§5)
+    def finish_prefill(self, st: IceState) -> None:
+        if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
+            self.offload(st, background=True)
+
+    def offload(self, st: IceState, background: bool) -> None:
+        """Splits the resident tokens into sink | offloaded | window and starts the offload job."""
+        s, n = self.page_size, st.n_seen
+        sink_pages, window_pages, _ = self.layout()
+        first, w0 = sink_pages * s, (-(-n // s) - window_pages) * s
+        k, v = st.k, st.v
+        st.sink_k, st.sink_v = k[:, :first].clone(), v[:, :first].clone()
+        st.win_k, st.win_v, st.win_start = k[:, w0:].clone(), v[:, w0:].clone(), w0
+        h, _, d = k.shape
+        st.slot_k = torch.zeros(h, self.n_slots, s, d, dtype=k.dtype, device=k.device)
+        st.slot_v = torch.zeros_like(st.slot_k)
+        st.slot_page = torch.full((h, self.n_slots), -1, dtype=torch.long)
+        st.slot_tokens = torch.full((h, self.n_slots, s), -1, dtype=torch.long)
+        st.k = st.v = st.pos = None
+        st.offloaded = True
+        job = (self.offload_job, st, k[:, first:w0], v[:, first:w0], first)
+        if background:
+            self.submit_background(st, *job)
+        else:
+            job[0](*job[1:])
+
+    def offload_job(self, st: IceState, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """Background job: offloaded K/V into the store, then (anchors) the M-DCI build over their keys."""
+        st.store = OffloadStore(k, v, first, k.device, k.shape[0] * self.n_slots, self.page_size)
+        if self.builds_index(st.layer_idx):
+            keys = st.store.data[0, :, : st.store.n]
+            st.index = MDCIIndex.build(keys, torch.arange(first, first + st.store.n), self.dci_config())
+
+    # ------------------------------------------------------------------ decode (§4)
+    def append(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not st.offloaded:
+            super().append(st, k, v)
+            return
+        if st.staged is not None:
+            self.mark_stale(st, self.insert_staged(st))
+            st.staged = None
+        st.win_k, st.win_v = torch.cat([st.win_k, k], dim=1), torch.cat([st.win_v, v], dim=1)
+
+    def insert_staged(self, st: IceState) -> torch.Tensor:
+        """Inserts the keys evicted from the window last step; returns the changed-page flags."""
+        ids = torch.arange(st.win_start - self.page_size, st.win_start)
+        st.changed, st.changed_at = st.index.insert(st.staged, ids), st.n_seen
+        return st.changed
+
+    @staticmethod
+    def mark_stale(st: IceState, changed: torch.Tensor) -> None:
+        """Resident pages whose content changed lose their slot (refetched when selected again)."""
+        held = st.slot_page
+        stale = (held >= 0) & changed.gather(1, held.clamp_min(0))
+        held[stale] = -1
+        st.slot_tokens[stale] = -1
+
+    def select(self, st: IceState, q: torch.Tensor) -> torch.Tensor | None:
+        """Page ids ``[H_kv, W]`` (-1 padded) for this step, or None (dense / not yet offloaded)."""
+        if not st.offloaded:
+            return None
+        pages = st.index.search(q[:, 0].float().cpu(), self.layout()[2], n_seq=st.n_seen)
+        st.selection = merge_gqa(pages, self.spec.group, self.layout()[2], mode=self.gqa_merge)
+        st.selected_at = st.n_seen
+        return st.selection
+
+    def fetch(self, st: IceState, selection: torch.Tensor | None) -> Fetched:
+        if selection is None:
+            return Fetched(st.k, st.v)
+        heads, pages, slots = self.assign_slots(st, selection)
+        st.step_bytes = 0
+        if len(heads):
+            positions = self.page_source(st).index.page_table[heads, pages]
+            k, v = st.store.bulk_load(heads, positions)
+            dev_heads, dev_slots = heads.to(st.slot_k.device), slots.to(st.slot_k.device)
+            st.slot_k[dev_heads, dev_slots], st.slot_v[dev_heads, dev_slots] = k, v
+            st.slot_tokens[heads, slots] = positions
+            st.step_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        st.bytes_moved += st.step_bytes
+        return self.resident_kv(st)
+
+    @staticmethod
+    def assign_slots(st: IceState, selection: torch.Tensor):
+        """Keeps selected pages already resident in their slots, frees the others and gives the missing
+        pages free slots; returns the ``(heads, pages, slots)`` to load (LongTensors, possibly empty)."""
+        loads = []
+        for h in range(selection.shape[0]):
+            want = selection[h][selection[h] >= 0]
+            held = st.slot_page[h]
+            keep = torch.isin(held, want) & (held >= 0)
+            held[~keep] = -1
+            st.slot_tokens[h, ~keep] = -1
+            missing = want[~torch.isin(want, held)]
+            free = (~keep).nonzero().flatten()[: len(missing)]
+            held[free] = missing
+            loads.append((torch.full_like(missing, h), missing, free))
+        return tuple(torch.cat(x) for x in zip(*loads))
+
+    def resident_kv(self, st: IceState) -> Fetched:
+        """Sink + page slots + window (current token included) with the empty page slots masked."""
+        h, w, s, d = st.slot_k.shape
+        dev = st.slot_k.device
+        valid = torch.cat([torch.ones(h, st.sink_k.shape[1], dtype=torch.bool, device=dev),
+                           (st.slot_tokens >= 0).view(h, w * s).to(dev),
+                           torch.ones(h, st.win_k.shape[1], dtype=torch.bool, device=dev)], dim=1)
+        k = torch.cat([st.sink_k, st.slot_k.view(h, w * s, d), st.win_k], dim=1)
+        v = torch.cat([st.sink_v, st.slot_v.view(h, w * s, d), st.win_v], dim=1)
+        return Fetched(k, v, valid)
+
+    def attended_positions(self, st: IceState) -> torch.Tensor:
+        """Absolute positions ``[H_kv, m]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure
+        attention recall, and for tests)."""
+        h = st.slot_tokens.shape[0]
+        return torch.cat([torch.arange(st.sink_k.shape[1]).expand(h, -1), st.slot_tokens.view(h, -1),
+                          torch.arange(st.win_start, st.win_start + st.win_k.shape[1]).expand(h, -1)], dim=1)
+
+    def observe(self, st: IceState, q, fetched, selection) -> None:
+        if not self.is_budgeted(st.layer_idx):
+            return
+        if not st.offloaded:
+            if st.n_seen > self.index_threshold():
+                self.offload(st, background=False)
+            return
+        s = self.page_size
+        if st.win_k.shape[1] >= self.n_window_pages * s:  # the newest page is full: evict the oldest
+            st.store.append(st.win_k[:, :s], st.win_v[:, :s])
+            st.staged = st.win_k[:, :s].cpu() if self.builds_index(st.layer_idx) else torch.empty(0)
+            st.win_k, st.win_v = st.win_k[:, s:].clone(), st.win_v[:, s:].clone()
+            st.win_start += s
+
+    # ------------------------------------------------------------------ accounting
+    def resident_tokens(self, st: IceState) -> int:
+        if not st.offloaded:
+            return st.resident_tokens()
+        return st.sink_k.shape[1] + st.slot_k.shape[1] * self.page_size + st.win_k.shape[1]
+
+    def resident_bound(self) -> int:
+        """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
+        return self.budget + (self.n_slots - self.layout()[2]) * self.page_size
+
+    def check_resident(self, st: IceState) -> None:
+        if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.resident_bound():
+            raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
+                                 f"tokens, over the bound of {self.resident_bound()} (budget {self.budget})")
+
+
+@dataclass
+class IceCacheReuse(IceCache):
+    """IceCache(reuse) (§4, official ``--n_reuse_layers``): an anchor layer's page selection is reused by
+    the next ``n_reuse_layers - 1`` layers, which build no index and run no search but load *their own*
+    K/V of the anchor's pages (gathered from their own store through the anchor's page table).
+
+    Anchors (official ``check_reuse``, with the first budgeted layer ``n_dense_layers`` in place of the
+    hard-coded 2): layers ``<= n_dense_layers``, then every layer with ``(l - n_dense_layers) mod N == 0``.
+
+    Args:
+        n_reuse_layers: ``N``, layers sharing one anchor's selection, the anchor included (scripts: 3).
+    """
+
+    n_reuse_layers: int = 3
+    name: ClassVar[str] = "icecache_reuse"
+
+    def check_budget(self) -> None:
+        if self.n_reuse_layers < 1:
+            raise ValueError(f"{self.name}: n_reuse_layers must be >= 1, got {self.n_reuse_layers}")
+        super().check_budget()
+
+    def anchor_of(self, layer_idx: int) -> int:
+        first = self.n_dense_layers
+        return layer_idx if layer_idx <= first else layer_idx - (layer_idx - first) % self.n_reuse_layers
+
+    def builds_index(self, layer_idx: int) -> bool:
+        return self.anchor_of(layer_idx) == layer_idx
+
+    def page_source(self, st: IceState) -> IceState:
+        return self._states[self.anchor_of(st.layer_idx)]
+
+    def insert_staged(self, st: IceState) -> torch.Tensor:
+        anchor = self.page_source(st)
+        if anchor is st:
+            return super().insert_staged(st)
+        if anchor.changed_at != st.n_seen:
+            raise RuntimeError(f"{self.name}: layer {st.layer_idx} evicted a window page that its anchor "
+                               f"{anchor.layer_idx} did not insert at this step")
+        return anchor.changed
+
+    def select(self, st: IceState, q: torch.Tensor) -> torch.Tensor | None:
+        anchor = self.page_source(st)
+        if anchor is st or not st.offloaded:
+            return super().select(st, q)
+        if anchor.selected_at != st.n_seen:
+            raise RuntimeError(f"{self.name}: anchor layer {anchor.layer_idx} made no selection at this step")
+        return anchor.selection

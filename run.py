@@ -1,0 +1,36 @@
+"""Hydra entry point: ``python run.py eval=longbench cache=icecache budget=64``.
+
+Composes the config, validates it (names, budget, limit, data) before loading anything heavy, runs the
+suite and prints ``results: <run dir>`` as its last line. User errors print one line and exit 2;
+``debug=true`` or ``HYDRA_FULL_ERROR=1`` shows the traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> str:
+    from evals.harness import USER_ERRORS, run_eval
+    from evals.report import print_run
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    debug = bool(plain.get("debug")) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    try:
+        run_dir = run_eval(plain, config_yaml=OmegaConf.to_yaml(cfg))
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print_run(run_dir)
+    print(f"results: {run_dir}")
+    return str(run_dir)
+
+
+if __name__ == "__main__":
+    main()

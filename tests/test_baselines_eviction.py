@@ -1,0 +1,242 @@
+"""H2O and SnapKV: equality with full attention at a covering budget, chunked prefill statistics against
+eager references, per-head budgets, and the tokens kept on hand-made inputs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from baselines.h2o import H2O, aggregate_group, attention_column_sums
+from baselines.snapkv import SnapKV, pool_votes, window_votes
+from icecache.kv import BudgetError, ModelSpec, make_method
+from icecache.kv.timing import PhaseTimer
+from conftest import assert_matches_full, build_tiny, generate_with
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "cache"
+PROMPT, NEW = 48, 8
+COVERING = PROMPT + NEW - 2  # past tokens at the last decode step: exactly the whole context
+
+
+def prefill(method, q, k, v):
+    """Binds ``method`` to a one-layer model shaped like the inputs (scaling 1) and prefills it."""
+    method.bind(ModelSpec(n_layers=1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0], head_dim=q.shape[-1],
+                          scaling=1.0, max_position=4096))
+    st = method.new_state(0)
+    st.n_seen = k.shape[1]
+    out = method.prefill(st, q, k, v)
+    method.finish_prefill(st)
+    return st, out
+
+
+def decode(method, st, q, k, v):
+    st.n_seen += 1
+    return method.decode(st, q, k, v, PhaseTimer())
+
+
+def eager_attention(q, k, v, scaling=1.0):
+    """Reference softmax attention of one query per head ``[H_q, d]`` over ``[H_q, m, d]``."""
+    probs = (torch.einsum("hd,hmd->hm", q, k) * scaling).softmax(-1)
+    return torch.einsum("hm,hmd->hd", probs, v), probs
+
+
+# --------------------------------------------------------------------------- both methods
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_covering_budget_equals_full_attention(tiny_model, method):
+    cache = assert_matches_full(tiny_model, method, budget=COVERING, prompt_len=PROMPT, new_tokens=NEW, debug=True)
+    assert cache.effective_tokens()[-1] == pytest.approx((PROMPT + PROMPT + NEW - 2) / 2)
+
+
+@pytest.mark.parametrize("method,budget", [("h2o", 16), ("snapkv", 40)])
+def test_small_budget_changes_the_output(method, budget):
+    """The equality above is not vacuous: a budget below the context changes the logits."""
+    with pytest.raises(AssertionError, match="differ"):
+        assert_matches_full(build_tiny("tiny-llama", 2, 4), method, budget=budget, prompt_len=PROMPT,
+                            new_tokens=NEW)
+
+
+@pytest.mark.parametrize("method,budget,hp", [("h2o", 12, {}), ("h2o", 13, {"group_agg": "max"}),
+                                              ("snapkv", 20, {"window_size": 8})])
+def test_resident_never_exceeds_budget(tiny_model, method, budget, hp):
+    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 60))
+    _, cache = generate_with(tiny_model, ids, 6, method, budget, debug=True, **hp)  # debug asserts each step
+    assert cache.resident_tokens() == [budget] * tiny_model.config.num_hidden_layers
+    assert cache.effective_tokens() == [budget] * tiny_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_config_builds_method_with_paper_defaults(name):
+    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    assert cfg.pop("name") == name
+    method = make_method(name, budget=64, **cfg)
+    assert method.name == name
+    assert type(method)(budget=64) == method  # the YAML repeats the dataclass (paper) defaults
+
+
+def test_invalid_budgets_are_clear_errors():
+    with pytest.raises(BudgetError, match="needs a budget"):
+        H2O(budget=None)
+    with pytest.raises(BudgetError, match="positive"):
+        H2O(budget=-4)
+    with pytest.raises(BudgetError, match="heavy_ratio"):
+        H2O(budget=64, heavy_ratio=1.0)
+    with pytest.raises(BudgetError, match="must exceed window_size=32"):
+        SnapKV(budget=32)
+    with pytest.raises(BudgetError, match="needs a budget"):
+        make_method("snapkv")
+    with pytest.raises(ValueError, match="decode_policy"):
+        SnapKV(budget=64, decode_policy="keep")
+
+
+# --------------------------------------------------------------------------- H2O
+@pytest.mark.parametrize("n_kv,n_q,chunk", [(1, 4, 5), (2, 4, 7), (4, 4, 64)])
+def test_h2o_chunked_column_sums_equal_eager_softmax(n_kv, n_q, chunk):
+    torch.manual_seed(0)
+    n, d = 23, 8
+    q, k = torch.randn(n_q, n, d), torch.randn(n_kv, n, d)
+    logits = torch.einsum("hid,hjd->hij", q, k.repeat_interleave(n_q // n_kv, 0)) * 0.3
+    eager = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1).sum(1)
+    torch.testing.assert_close(attention_column_sums(q, k, 0.3, chunk), eager)
+
+
+def heavy_hitter_inputs(n_q: int):
+    """8 tokens, d = 4. KV head 0's heavy hitters are tokens {1, 3} (keys 10*e0, queries e0); KV head 1's
+    are {2, 4} (keys 10*e1, queries e1). Values are one-hot position codes."""
+    n, d = 8, 4
+    k = torch.zeros(2, n, d)
+    k[0, [1, 3], 0] = 10.0
+    k[1, [2, 4], 1] = 10.0
+    q = torch.zeros(n_q, n, d)
+    q[: n_q // 2, :, 0] = 1.0
+    q[n_q // 2:, :, 1] = 1.0
+    v = torch.randn(2, n, d)
+    return q, k, v
+
+
+@pytest.mark.parametrize("n_q", [2, 4])
+def test_h2o_keeps_heavy_hitters_and_recent_tokens(n_q):
+    q, k, v = heavy_hitter_inputs(n_q)
+    method = H2O(budget=4, debug=True)  # 2 heavy + 2 recent
+    st, _ = prefill(method, q, k, v)
+    assert st.pos.tolist() == [[1, 3, 6, 7], [2, 4, 6, 7]]
+    assert method.resident_tokens(st) == 4
+    # one decode step: token 8 joins the recent window, token 7 stays recent, token 6 (lowest score) leaves
+    q8 = q[:, :1].clone()
+    k8, v8 = torch.zeros(2, 1, 4), torch.randn(2, 1, 4)
+    out = decode(method, st, q8, k8, v8)
+    assert st.pos.tolist() == [[1, 3, 7, 8], [2, 4, 7, 8]]
+    # the output attended the 4 kept tokens + the current one, per KV head
+    attended = [[1, 3, 6, 7], [2, 4, 6, 7]]
+    keys = torch.stack([torch.cat([k[h, attended[h]], k8[h]]) for h in range(2)]).repeat_interleave(n_q // 2, 0)
+    vals = torch.stack([torch.cat([v[h, attended[h]], v8[h]]) for h in range(2)]).repeat_interleave(n_q // 2, 0)
+    torch.testing.assert_close(out[:, 0], eager_attention(q8[:, 0], keys, vals)[0])
+
+
+def reference_h2o(q, k, v, n_prompt, budget, heavy, agg):
+    """Set-based H2O simulation (full K/V, explicit sets per KV head): returns the per-step outputs and
+    the kept position sets after prefill and after each decode step."""
+    n_q, n_kv, n = q.shape[0], k.shape[0], q.shape[1]
+    g, recent = n_q // n_kv, budget - heavy
+    kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool).triu(1)
+    logits = torch.einsum("hid,hjd->hij", q[:, :n_prompt], kk[:, :n_prompt])
+    scores = torch.zeros(n_q, n)
+    scores[:, :n_prompt] = logits.masked_fill(causal, float("-inf")).softmax(-1).sum(1)
+
+    def cut(kept, t):  # keep the last `recent` positions <= t and the best-scored others
+        ranked = aggregate_group(scores, n_kv, agg)
+        out = []
+        for h in range(n_kv):
+            rec = [p for p in kept[h] if p > t - recent]
+            old = sorted((p for p in kept[h] if p <= t - recent), key=lambda p: -float(ranked[h, p]))
+            out.append(sorted(old[: budget - len(rec)] + rec))
+        return out
+
+    kept = cut([list(range(n_prompt))] * n_kv, n_prompt - 1)
+    history, outputs = [kept], []
+    for t in range(n_prompt, n):
+        out = []
+        for hq in range(n_q):
+            idx = kept[hq // g] + [t]
+            o, p = eager_attention(q[hq, t][None], kk[hq, idx][None], vv[hq, idx][None])
+            scores[hq, idx] += p[0]
+            out.append(o[0])
+        outputs.append(torch.stack(out))
+        kept = cut([kh + [t] for kh in kept], t)
+        history.append(kept)
+    return outputs, history
+
+
+@pytest.mark.parametrize("n_kv,n_q,agg,ratio", [(1, 4, "mean", 0.5), (2, 4, "max", 0.5), (4, 4, "sum", 0.25),
+                                                (2, 4, "mean", 0.0)])
+def test_h2o_matches_set_based_reference(n_kv, n_q, agg, ratio):
+    torch.manual_seed(1)
+    n_prompt, steps, d, budget = 12, 20, 8, 8
+    q, k, v = torch.randn(n_q, n_prompt + steps, d), torch.randn(n_kv, n_prompt + steps, d), torch.randn(
+        n_kv, n_prompt + steps, d)
+    method = H2O(budget=budget, heavy_ratio=ratio, group_agg=agg, chunk_size=6, debug=True)
+    ref_out, ref_kept = reference_h2o(q, k, v, n_prompt, budget, method.heavy_size, agg)
+    st, _ = prefill(method, q[:, :n_prompt], k[:, :n_prompt], v[:, :n_prompt])
+    assert st.pos.tolist() == ref_kept[0]
+    for i, t in enumerate(range(n_prompt, n_prompt + steps)):
+        out = decode(method, st, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+        torch.testing.assert_close(out[:, 0], ref_out[i])
+        assert st.pos.tolist() == ref_kept[i + 1], f"step {i}"
+
+
+# --------------------------------------------------------------------------- SnapKV
+@pytest.mark.parametrize("n_kv,n_q", [(1, 4), (2, 4), (4, 4)])
+def test_snapkv_window_votes_equal_eager_softmax(n_kv, n_q):
+    torch.manual_seed(0)
+    n, d, w = 30, 8, 6
+    q, k = torch.randn(n_q, n, d), torch.randn(n_kv, n, d)
+    logits = torch.einsum("hid,hjd->hij", q, k.repeat_interleave(n_q // n_kv, 0)) * 0.5
+    full = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    torch.testing.assert_close(window_votes(q, k, 0.5, w), full[:, n - w:, : n - w].sum(1))
+
+
+def test_snapkv_pooling():
+    votes = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0]])
+    assert pool_votes(votes, 3, "max").tolist() == [[0.0, 5.0, 5.0, 5.0, 0.0, 1.0, 1.0]]
+    torch.testing.assert_close(pool_votes(votes, 3, "avg"), torch.tensor([[0.0, 5, 5, 5, 0, 1, 1]]) / 3)
+    assert pool_votes(votes, 1, "max").tolist() == votes.tolist()
+
+
+def snapkv_inputs(n_q: int):
+    """16 tokens, window 4: the window queries of KV head 0 look at tokens {2, 7}, of KV head 1 at {5, 9}."""
+    n, d = 16, 4
+    k = torch.zeros(2, n, d)
+    k[0, [2, 7], 0] = 10.0
+    k[1, [5, 9], 1] = 10.0
+    q = torch.zeros(n_q, n, d)
+    q[: n_q // 2, :, 0] = 1.0
+    q[n_q // 2:, :, 1] = 1.0
+    return q, k, torch.randn(2, n, d)
+
+
+@pytest.mark.parametrize("n_q", [2, 4])
+@pytest.mark.parametrize("policy", ["sliding", "grow"])
+def test_snapkv_keeps_voted_prefix_and_window(n_q, policy):
+    q, k, v = snapkv_inputs(n_q)
+    method = SnapKV(budget=6, window_size=4, kernel_size=1, decode_policy=policy, debug=True)
+    st, _ = prefill(method, q, k, v)
+    assert st.pos.tolist() == [[2, 7, 12, 13, 14, 15], [5, 9, 12, 13, 14, 15]]
+    for t in range(16, 21):
+        decode(method, st, q[:, :1], torch.randn(2, 1, 4), torch.randn(2, 1, 4))
+    if policy == "sliding":  # the voted prefix stays; the window slid over the generated tokens 17..20
+        assert st.pos.tolist() == [[2, 7, 17, 18, 19, 20], [5, 9, 17, 18, 19, 20]]
+    else:  # paper: every generated token is kept
+        assert st.pos.tolist() == [[2, 7, *range(12, 21)], [5, 9, *range(12, 21)]]
+
+
+def test_snapkv_grow_policy_declares_the_generated_tail():
+    model = build_tiny("tiny-llama", 2, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 60))
+    _, cache = generate_with(model, ids, 6, "snapkv", 20, window_size=8, decode_policy="grow", debug=True)
+    assert cache.resident_tokens() == [20 + 5] * 4  # 5 decode steps each left their token resident
+    method = SnapKV(budget=6, window_size=4, debug=True)
+    st, _ = prefill(method, *snapkv_inputs(2))
+    st.k, st.v = torch.cat([st.k, st.k], 1), torch.cat([st.v, st.v], 1)  # an over-budget "sliding" state
+    with pytest.raises(AssertionError, match="over the allowed 6"):
+        method.check_resident(st)

@@ -1,0 +1,302 @@
+"""Retrieval baselines: PQCache, OmniKV, MagicPIG (reference/baselines.md §1.3-1.5, §1.8)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from baselines import magicpig as mp
+from baselines import omnikv as okv
+from baselines import pqcache as pq
+from conftest import assert_matches_full, build_tiny, generate_with
+from icecache import make_cache
+from icecache.kv import BudgetError, ModelSpec, make_method
+from icecache.kv.attention import attend
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "cache"
+
+# Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
+# candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
+# tokens, so calibration picks K = 0: every key is a candidate with inclusion probability exactly 1.
+COVERING = [("pqcache", dict(budget=60)),
+            ("omnikv", dict(budget=48, filter_layers=[1], wait_layers=0)),
+            ("magicpig", dict(budget=56))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only contend on the shared 2-core machines (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- equals full attention
+@pytest.mark.parametrize("method,hp", COVERING, ids=[m for m, _ in COVERING])
+def test_budget_covering_context_matches_full(tiny_model, method, hp):
+    cache = assert_matches_full(tiny_model, method, debug=True, **hp)
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    assert budgeted, "the configuration must exercise budgeted layers"
+    if method == "magicpig":  # the sampled path (K = 0, weights 1) ran, it was not all exact
+        assert all(s.store_k is not None and s.n_bits == 0 for s in budgeted)
+    else:  # K/V were gathered from the offload store
+        assert all(s.bytes_moved > 0 for s in budgeted)
+
+
+def test_magicpig_all_candidates_with_exact_weights_matches_full():
+    """K = 0 bits at a small budget: the exact part is small, every offloaded key is sampled with w = 1."""
+    cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), "magicpig", budget=16, calibrate=False, n_bits=0,
+                                debug=True)
+    sparse = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    assert all(s.store_k.shape[1] == 48 - 4 - 6 for s in sparse)
+
+
+# ----------------------------------------------------------------------------------------- PQCache
+def _pq_problem(n: int, n_bits: int, seed: int = 0):
+    torch.manual_seed(seed)
+    h_kv, h_q, d, m = 2, 4, 16, 2
+    keys, q = torch.randn(h_kv, n, d), torch.randn(h_q, d)
+    sub = pq.split_subvectors(keys, m).reshape(h_kv * m, n, d // m)
+    cents, codes = pq.kmeans(sub, 2 ** n_bits, 10, torch.Generator().manual_seed(seed))
+    cents = cents.reshape(h_kv, m, *cents.shape[1:])
+    codes = codes.reshape(h_kv, m, n).permute(0, 2, 1)
+    return keys, q, cents, codes
+
+
+def _reconstruct(cents: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Keys ``[H_kv, n, d]`` rebuilt from their PQ codes."""
+    h, m = cents.shape[:2]
+    parts = [cents[torch.arange(h)[:, None], s, codes[..., s]] for s in range(m)]  # each [H, n, ds]
+    return torch.cat(parts, dim=-1)
+
+
+def test_pq_lookup_scores_equal_dot_products_with_reconstructed_keys():
+    keys, q, cents, codes = _pq_problem(n=200, n_bits=3)
+    k_hat = _reconstruct(cents, codes)
+    assert not torch.allclose(k_hat, keys, atol=1e-3)  # 8 centroids: a real quantisation
+    explicit = torch.einsum("hd,hnd->hn", q, k_hat.repeat_interleave(2, 0))
+    torch.testing.assert_close(pq.lookup_scores(q, cents, codes), explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_pq_topk_on_exact_codes_equals_exact_topk():
+    keys, q, cents, codes = _pq_problem(n=40, n_bits=6)  # 64 >= 40 keys: one centroid per key
+    torch.testing.assert_close(_reconstruct(cents, codes), keys)
+    scaling = 16 ** -0.5
+    got = pq.group_topk(pq.lookup_scores(q, cents, codes), scaling, 2, k=7)
+    exact = torch.softmax(torch.einsum("hd,hnd->hn", q, keys.repeat_interleave(2, 0)) * scaling, -1)
+    want = exact.reshape(2, 2, -1).sum(1).topk(7).indices.sort(-1).values
+    assert torch.equal(got, want)
+
+
+def test_pq_kmeans_is_seeded():
+    a = _pq_problem(n=200, n_bits=3, seed=1)[2]
+    b = _pq_problem(n=200, n_bits=3, seed=1)[2]
+    keys = torch.randn(4, 200, 8, generator=torch.Generator().manual_seed(1))
+    other = pq.kmeans(keys, 8, 10, torch.Generator().manual_seed(2))[0]
+    same = pq.kmeans(keys, 8, 10, torch.Generator().manual_seed(3))[0]
+    assert torch.equal(a, b) and not torch.equal(other, same)
+
+
+def test_pq_window_codes_and_budget_split():
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(96), 12, "pqcache", budget=24, debug=True)
+    method = cache.method
+    assert (method.n_sink, method.recent, method.topk) == (4, 10, 10)
+    for st in cache.states:
+        n_past = st.n_seen - 1  # the last generated token is past now, but has not been attended yet
+        assert st.resident_tokens() == 4 + 10
+        assert cache.effective_tokens()[st.layer_idx] == 24  # 4 sinks + 10 recent + 10 top-k, every step
+        # every token between the sinks and the window has a code; those generated got the nearest centroid
+        assert st.codes.shape[1] == int(st.pos[4]) - 4 == n_past + 1 - 10 - 4
+        n_prompt_coded = 96 - 4
+        late = st.store_k[:, 4 + n_prompt_coded:int(st.pos[4])]
+        sub = pq.split_subvectors(late, 2)
+        want = pq.nearest_centroid(sub.reshape(-1, *sub.shape[2:]), st.centroids.reshape(-1, *st.centroids.shape[2:]))
+        assert late.shape[1] > 0
+        assert torch.equal(st.codes[:, n_prompt_coded:], want.reshape(2, 2, -1).permute(0, 2, 1))
+
+
+# ------------------------------------------------------------------------------------------ OmniKV
+def test_omnikv_layer_roles_follow_the_official_code():
+    roles = okv.layer_roles(32, (2, 8, 18), wait_layers=1)
+    dense = {i for i, (r, _) in roles.items() if r != "sparse"}
+    assert dense == {0, 1, 2, 3, 8, 9, 18, 19}
+    assert roles[7] == ("sparse", 2) and roles[31] == ("sparse", 18)
+    assert okv.scaled_filter_layers(32) == (2, 8, 18)
+    assert okv.scaled_filter_layers(30) == (2, 8, 17)
+
+
+class RecordingOmniKV(okv.OmniKV):
+    """Logs (layer, step, query, selection) of every decode step."""
+
+    def select(self, st, q):
+        sel = super().select(st, q)
+        self.log.append((st.layer_idx, st.n_seen, q.clone(), sel))
+        return sel
+
+
+def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
+    model = build_tiny("tiny-llama", 2, 4, n_layers=6)
+    method = RecordingOmniKV(budget=10, filter_layers=[1, 3], wait_layers=0, debug=True)
+    method.log = []
+    cache = make_cache(method, model)
+    model.generate(_ids(40), max_new_tokens=6, min_new_tokens=6, do_sample=False, past_key_values=cache)
+    assert {i for i in range(6) if method.is_budgeted(i)} == {2, 4, 5}
+    filters = {(layer, step): q for layer, step, q, _ in method.log if layer in (1, 3)}
+    sparse = [(layer, step, sel) for layer, step, _, sel in method.log if method.is_budgeted(layer)]
+    assert len(sparse) == 3 * 5  # 6 new tokens: the first comes from the prefill pass
+    for layer, step, sel in sparse:
+        group = 1 if layer == 2 else 3
+        q, k = filters[(group, step)], cache.states[group].k[:, :40]
+        logits = torch.einsum("hd,hnd->hn", q[:, 0], k.repeat_interleave(2, 0)).max(0).values
+        assert torch.equal(sel, logits.topk(10).indices.sort().values)
+    for layer in (2, 4, 5):  # last step: what was attended = K/V of the selection + every generated token
+        st = cache.states[layer]
+        assert torch.equal(st.part_k, st.store_k[:, st.selected])
+        assert torch.equal(st.pos, torch.arange(40, st.n_seen))
+        assert cache.effective_tokens()[layer] == 10 + 2.0  # generated tail of 0..4 past tokens
+    cache.close()
+
+
+# ---------------------------------------------------------------------------------------- MagicPIG
+def test_simhash_collision_rate_matches_theory():
+    """Per-table collision rate ~ (1 - theta/pi)^K and >= 2-of-L inclusion ~ w (Monte-Carlo, 4 sigma)."""
+    g = torch.Generator().manual_seed(0)
+    d, bits, n_tables, trials = 16, 3, 10, 600
+    q = torch.randn(d, generator=g)
+    x = torch.stack([q + s * torch.randn(d, generator=g) for s in (0.3, 0.8, 1.5, 3.0)])
+    proj = torch.randn(d, n_tables * trials, bits, generator=g)
+    hit = mp.simhash(x, proj) == mp.simhash(q, proj)  # [4, tables]
+    cos = torch.nn.functional.cosine_similarity(x, q[None], dim=-1)
+    p = mp.collision_probability(cos, bits)
+    rate = hit.double().mean(-1)
+    assert torch.all((rate - p).abs() <= 4 * torch.sqrt(p * (1 - p) / hit.shape[1]))
+    w = mp.inclusion_probability(p, n_tables, 2)
+    incl = (hit.reshape(4, trials, n_tables).sum(-1) >= 2).double().mean(-1)
+    assert torch.all((incl - w).abs() <= 4 * torch.sqrt(w * (1 - w) / trials) + 1e-9)
+    assert float(mp.inclusion_probability(torch.tensor(1.0), 150, 2)) == 1.0
+
+
+def test_bucket_lookup_equals_brute_force_collision_count():
+    g = torch.Generator().manual_seed(0)
+    h_kv, group, n, d = 2, 3, 300, 16
+    proj = torch.randn(d, 20, 4, generator=g)
+    key_codes = mp.simhash(torch.randn(h_kv, n, d, generator=g), proj).transpose(1, 2)  # [H_kv, L, n]
+    q_codes = mp.simhash(torch.randn(h_kv * group, d, generator=g), proj)  # [H_q, L]
+    got = mp.lookup(*mp.build_tables(key_codes), q_codes.reshape(h_kv, group, -1).transpose(1, 2).contiguous(), 2)
+    brute = (key_codes.repeat_interleave(group, 0) == q_codes[..., None]).sum(1) >= 2
+    assert got.any() and torch.equal(got, brute)
+
+
+def test_lse_merge_equals_attention_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 1, 16, generator=g), torch.randn(2, 30, 16, generator=g), torch.randn(2, 30, 16, generator=g)
+    a, b = torch.arange(0, 30, 3), torch.tensor([i for i in range(30) if i % 3])
+    out_a, lse_a = mp.partial_attention(q, k[:, a], v[:, a], 0.25)
+    out_b, lse_b = mp.partial_attention(q, k[:, b], v[:, b], 0.25)
+    merged, lse = mp.merge_attention(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(merged, attend(q, k, v, 0.25), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ k.repeat_interleave(2, 0).transpose(1, 2) * 0.25, -1))
+    # importance weights: softmax(logit - log w) over the union; an empty part contributes nothing
+    log_w = torch.rand(2, 20, generator=g)
+    out_w, lse_w = mp.partial_attention(q, k[:, b], v[:, b], 0.25, log_weight=log_w)
+    merged_w, _ = mp.merge_attention(out_a, lse_a, out_w, lse_w)
+    logits = torch.cat([q @ k[:, a].repeat_interleave(2, 0).transpose(1, 2) * 0.25,
+                        q @ k[:, b].repeat_interleave(2, 0).transpose(1, 2) * 0.25 - log_w.repeat_interleave(2, 0)[:, None]], -1)
+    want = torch.softmax(logits, -1) @ torch.cat([v[:, a], v[:, b]], 1).repeat_interleave(2, 0)
+    torch.testing.assert_close(merged_w, want, rtol=1e-5, atol=1e-6)
+    none = torch.zeros(2, 20, dtype=torch.bool)
+    out_e, lse_e = mp.partial_attention(q, k[:, b], v[:, b], 0.25, valid=none)
+    torch.testing.assert_close(mp.merge_attention(out_a, lse_a, out_e, lse_e)[0], out_a)
+
+
+def test_magicpig_step_is_importance_weighted_attention_over_candidates():
+    """One sparse decode step, recomputed by hand: exact part + candidates with logits - log w_j, where
+    w_j = 1 - (1-p)^L - L p (1-p)^(L-1) and p = (1 - theta/pi)^K for the centred key."""
+    g = torch.Generator().manual_seed(0)
+    spec = ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=128)
+    method = mp.MagicPIG(budget=16, n_bits=2, n_tables=5, calibrate=False)
+    method.bind(spec)
+    st = mp.PigState(1)
+    st.store_k, st.store_v = torch.randn(2, 60, 16, generator=g) + 0.5, torch.randn(2, 60, 16, generator=g)
+    st.k, st.v = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 16, generator=g)
+    method.build_index(st)
+    q = torch.randn(4, 1, 16, generator=g)
+    fetched = method.fetch(st, method.select(st, q))
+    out = method.attend(st, q, fetched)
+    for h in range(4):
+        kv = h // 2
+        cand = torch.nonzero(method.select(st, q)[h])[:, 0]
+        assert 0 < len(cand) < 60
+        centred = st.store_k[kv, cand] - st.store_k[kv].mean(0)
+        p = (1 - torch.arccos(torch.cosine_similarity(centred, q[h], dim=-1).double()) / math.pi) ** 2
+        w = 1 - (1 - p) ** 5 - 5 * p * (1 - p) ** 4
+        logits = torch.cat([st.k[kv] @ q[h, 0] * 0.25, st.store_k[kv, cand] @ q[h, 0] * 0.25 - torch.log(w).float()])
+        want = torch.softmax(logits, 0) @ torch.cat([st.v[kv], st.store_v[kv, cand]])
+        torch.testing.assert_close(out[h, 0], want, rtol=1e-5, atol=1e-6)
+    assert fetched.past_tokens_per_head() == pytest.approx(6 + float(fetched.svalid.sum(-1).float().mean()))
+
+
+def test_magicpig_calibration_and_effective_tokens():
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(300), 8, "magicpig", budget=64, debug=True)
+    method = cache.method
+    assert method.dense == {0, 2} and (method.local, method.sample_target) == (30, 30)
+    for st in cache.states:
+        eff = cache.effective_tokens()[st.layer_idx]
+        if st.layer_idx in method.dense:
+            assert eff == 300 + 3.0  # 7 decode steps: 0..6 generated past tokens
+            continue
+        assert st.n_bits > 0 and st.store_k.shape[1] == 300 - 4 - 30
+        exact = 4 + 30 + 3.0  # sinks + local + the generated tokens (kept, exempt)
+        assert exact < eff < exact + st.store_k.shape[1]  # some, not all, offloaded tokens were sampled
+
+
+# ------------------------------------------------------------------------------- shared properties
+SMALL = [("pqcache", dict(budget=16)), ("omnikv", dict(budget=16, filter_layers=[1], wait_layers=0)),
+         ("magicpig", dict(budget=16))]
+
+
+@pytest.mark.parametrize("method,hp", SMALL, ids=[m for m, _ in SMALL])
+def test_deterministic_and_resident_budget_respected(method, hp):
+    model = build_tiny("tiny-llama", 2, 4)
+    runs = []
+    for _ in range(2):
+        out, cache = generate_with(model, _ids(80), 10, method, debug=True, **hp)  # debug: asserts every step
+        runs.append(out)
+        for st in cache.states:
+            if cache.method.is_budgeted(st.layer_idx):
+                generated = st.n_seen - 80 if method != "pqcache" else 0  # OmniKV/MagicPIG keep them (exempt)
+                assert cache.method.resident_tokens(st) - generated <= 16
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))
+
+
+def test_seeds_change_the_randomised_parts():
+    model = build_tiny("tiny-llama", 2, 4)
+    a = make_cache("magicpig", model, budget=16, seed=0).method.proj
+    b = make_cache("magicpig", model, budget=16, seed=1).method.proj
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method,budget", [("pqcache", 5), ("pqcache", None), ("magicpig", 5), ("omnikv", None)])
+def test_invalid_budgets_fail_at_config_time(method, budget):
+    with pytest.raises(BudgetError):
+        make_method(method, budget=budget)
+
+
+@pytest.mark.parametrize("method", ["pqcache", "omnikv", "magicpig"])
+def test_hydra_config_holds_the_dataclass_defaults(method):
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF / f"{method}.yaml"))
+    name = cfg.pop("name")
+    built = make_method(name, budget=64, **cfg)
+    default = make_method(name, budget=64)
+    assert built == default and math.isfinite(built.budget)

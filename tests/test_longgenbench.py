@@ -1,0 +1,144 @@
+"""LongGenBench (Wu et al.) suite (evals/longgenbench.py; reference/evals.md §5.1): parsing, check
+extraction, judged scoring with a deterministic fake judge, pooled aggregation."""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+from conftest import DATA_DIR
+
+from evals.base import DataError, Sample
+from evals.longgenbench import LongGenBench, completion_rate, judge_prompts, parse_blocks
+from icecache.models import tiny_tokenizer
+
+needs_data = pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")
+QUESTION = "? Please answer with 'yes' or 'no' only."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def suite(tokenizer, tmp_path):
+    """A suite over a one-item hand-written dataset (scoring needs no real data)."""
+    (tmp_path / "longgenbench").mkdir()
+    (tmp_path / "longgenbench" / "Dataset_short.json").write_text(json.dumps([{
+        "prompt": "Write a diary. *** started ***\n#*# Week 1:", "prefix": "#*# Week 1:", "type": "Week",
+        "number": 2, "checks_once": {"1": "x"}, "checks_range": {}, "checks_periodic": {}}]))
+    return LongGenBench(tokenizer, data_dir=tmp_path, judge_model="judge-x")
+
+
+def fake_judge(calls: list):
+    """Says yes iff the block mentions the event's first word (case-insensitive); records every prompt."""
+    def judge(prompt: str, max_new_tokens: int) -> str:
+        calls.append((prompt, max_new_tokens))
+        block, event = re.fullmatch(r"Context: (.*)### Instruction: Does this context include the (.*)"
+                                    + re.escape(QUESTION), prompt, re.S).groups()
+        return " Yes, it does." if event.split()[0].lower() in block.lower() else "No."
+    return judge
+
+
+def item(**over) -> Sample:
+    ref = {"prefix": "#*# Week 1 (January 1st - January 7th):", "type": "Week", "number": 4,
+           "checks_once": {"1": "birthday party", "3": "dentist visit", "4": "wedding anniversary"},
+           "checks_range": {"2": "trip to Paris", "3": "trip to Paris"},
+           "checks_periodic": {"1": "yoga class", "3": "yoga class"}}
+    ref.update(over)
+    return Sample("short-0", "week", [1, 2], 100, ref)
+
+
+# Week 1 and 2 written; "Week 2" appears twice (the first block wins); Week 3 is written last; Week 4 missing.
+OUTPUT = (" Birthday party with friends, then yoga.\n"
+          "#*# Week 2 (January 8th - January 14th): Trip to Paris, museums.\n"
+          "#*# Week 2 again: nothing here.\n"
+          "#*# Week 3 (January 15th - January 21st): dentist, no exercise this week.\n*** finished")
+
+
+def test_block_parsing_and_check_extraction():
+    blocks = parse_blocks("#*# Week 1 (January 1st - January 7th):" + OUTPUT, "Week")
+    assert sorted(blocks) == [1, 2, 3]
+    assert blocks[2] == " Week 2 (January 8th - January 14th): Trip to Paris, museums.\n"
+    assert parse_blocks("#*# Menu Week 3: soup #*# Week 5: x", "Menu Week") == {3: " Menu Week 3: soup "}
+    prompts = judge_prompts({"2": "trip to Paris", "4": "wedding"}, blocks)
+    assert prompts == [(2, "Context:  Week 2 (January 8th - January 14th): Trip to Paris, museums.\n### Instruction: "
+                           "Does this context include the trip to Paris? Please answer with 'yes' or 'no' only.")]
+    assert completion_rate(blocks, 4) == 75.0 and completion_rate({1: "", 9: ""}, 4) == 25.0
+
+
+def test_score_with_fake_judge_hand_computed(suite):
+    calls: list = []
+    scores = suite.score(item(), OUTPUT, fake_judge(calls))
+    # once: weeks 1 (birthday: yes), 3 (dentist: yes); week 4 has no block -> not judged
+    # range: week 2 (trip: yes), week 3 (trip: no); periodic: week 1 (yoga: yes), week 3 (yoga: no)
+    assert scores == {"completion_rate": 75.0, "word_count": float(len(("#*# Week 1 (January 1st - January 7th):"
+                                                                          + OUTPUT).split())),
+                      "once_yes": 2.0, "once_judged": 2.0, "range_yes": 1.0, "range_judged": 2.0,
+                      "periodic_yes": 1.0, "periodic_judged": 2.0, "score": pytest.approx((1 + 0.5 + 0.5) / 3)}
+    assert len(calls) == 6 and all(n == 50 for _, n in calls)
+    with pytest.raises(ValueError, match="needs a judge"):
+        suite.score(item(), OUTPUT)
+
+
+def test_aggregate_pools_checks_across_items(suite):
+    judge = fake_judge([])
+    rows = [{"task": "week", "scores": suite.score(item(), OUTPUT, judge)},
+            # only the prefix's unit written: Week 1 judged (birthday: no, yoga: no), completion 25%
+            {"task": "week", "scores": suite.score(item(), " nothing", judge)},
+            {"task": "floor", "scores": suite.score(
+                item(type="Floor", prefix="#*# Floor 1:", number=2, checks_once={"1": "lobby"}, checks_range={},
+                     checks_periodic={"2": "gym"}), " The lobby.\n#*# Floor 2: offices.", judge)}]
+    out = suite.aggregate(rows)
+    # pooled over items (not a mean of per-item accuracies): once 3/4 (2/2 + 0/1 + lobby 1/1),
+    # range 1/2 (1/2 + none judged + none), periodic 1/4 (1/2 + 0/1 + gym 0/1)
+    assert (out["accuracy_once"], out["accuracy_range"], out["accuracy_periodic"]) == (0.75, 0.5, 0.25)
+    assert out["average_accuracy"] == 0.5 and out["score"] == 50.0
+    assert out["completion_rate"] == pytest.approx((75 + 25 + 100) / 3)
+    assert out["tasks"] == {"floor": pytest.approx(100 / 3), "week": pytest.approx(100 * (2 / 3 + 1 / 2 + 1 / 3) / 3)}
+    assert out["judge_model"] == "judge-x" and out["n_samples"] == 3
+
+
+@needs_data
+def test_real_files_parse_into_samples(tokenizer):
+    for subset, types, total in (("short", {"Week": 52, "Floor": 100, "Menu Week": 52, "Block": 100}, 400),
+                                 ("long", {"Day": 365, "Floor": 300, "Menu Day": 365, "Block": 361}, 400)):
+        suite = LongGenBench(tokenizer, data_dir=DATA_DIR, subset=subset, limit=2, max_length=32768)
+        items = suite.items()
+        assert len(items) == total and {i["type"]: i["number"] for i in items} == types
+        samples = list(suite.samples())
+        assert Counter(s.meta["type"] for s in samples) == {t: 2 for t in types}
+        raw = json.loads((DATA_DIR / "longgenbench" / f"Dataset_{subset}.json").read_text())
+        for s in samples:
+            src = raw[int(s.id.split("-")[1])]
+            assert s.id.startswith(f"{subset}-") and s.stop == ["*** finished"]
+            assert tokenizer.decode(s.prompt_ids) == src["prompt"]
+            assert s.reference["checks_periodic"] == src["checks_periodic"]
+            assert s.max_new_tokens == min({"short": 16000, "long": 32000}[subset], 32768 - len(s.prompt_ids))
+            assert src["prompt"].endswith("*** started ***\n" + src["prefix"])
+
+
+@needs_data
+def test_types_limit_and_capped_generation(tokenizer):
+    suite = LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Floor"], limit=3, max_length=8192)
+    samples = list(suite.samples())
+    assert [s.task for s in samples] == ["floor"] * 3
+    assert [s.id for s in samples] == [s.id for s in suite.samples()]  # stable
+    assert all(s.max_new_tokens == 8192 - len(s.prompt_ids) for s in samples)
+    with pytest.raises(ValueError, match="not in"):
+        list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Day"]).samples())
+    with pytest.raises(ValueError, match="subset"):
+        LongGenBench(tokenizer, data_dir=DATA_DIR, subset="medium")
+
+
+def test_missing_or_malformed_data(tokenizer, tmp_path):
+    with pytest.raises(DataError, match=re.escape(str(tmp_path / "longgenbench" / "Dataset_long.json"))):
+        LongGenBench(tokenizer, data_dir=tmp_path, subset="long")
+    (tmp_path / "longgenbench").mkdir()
+    bad = tmp_path / "longgenbench" / "Dataset_short.json"
+    bad.write_text(json.dumps([{"prompt": "p #*# Week 1:", "prefix": "#*# Week 1:", "type": "Week", "number": 2,
+                                "checks_once": {}, "checks_range": {}}]))
+    with pytest.raises(DataError, match=r"Dataset_short.json: item 0 needs field 'checks_periodic'"):
+        list(LongGenBench(tokenizer, data_dir=tmp_path).samples())
