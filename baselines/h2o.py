@@ -167,7 +167,7 @@ class H2O(KVMethod):
         non-recent token once the head holds more than ``budget`` past tokens."""
         h_kv, m = st.k.shape[0], st.k.shape[1]
         st.score = torch.cat([st.score, st.score.new_zeros(h_kv, st.score.shape[1], 1)], dim=2)
-        st.score -= st.probs.view(h_kv, -1, m)
+        st.score += st.probs.view(h_kv, -1, m)
         st.probs = None
         if m <= self.budget:
             return

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from icecache.kv import BudgetError, KVMethod, make_method
 from icecache.kv.registry import UnknownNameError
@@ -114,7 +115,7 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
             raise
         raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
     samples = list(suite.samples())
-    run = results.RunDir(p.run_dir, p.cfg, config_yaml)
+    run = results.RunDir(p.run_dir, p.cfg, config_yaml or yaml.safe_dump(p.cfg, sort_keys=False))
     model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
                        cfg.get("device", "cpu"), seed=cfg.get("seed", 0))
     todo = [s for s in samples if s.id not in run.done_ids()]

@@ -191,6 +191,7 @@ class Resources:
 
     def __init__(self, suite: "Ruler"):
         self.suite = suite
+        self._sentences: tuple[int, list[str]] = (-1, [])
 
     def _json(self, key: str):
         path = self.suite.require_file(DATA_FILES[key])
@@ -234,6 +235,14 @@ class Resources:
         params.sent_starters = set(english.SENT_STARTERS)
         params.ortho_context = defaultdict(int, english.ORTHO_CONTEXT)
         return PunktSentenceTokenizer(params).tokenize
+
+    def essay_sentences(self, num_words: int) -> list[str]:
+        """``sent_tokenize`` of the first ``num_words`` essay words (repeated if needed); the last result is
+        kept, since every sample of a cell starts from the same haystack size."""
+        if self._sentences[0] != num_words:
+            words = itertools.islice(itertools.cycle(self.essay_words), num_words)
+            self._sentences = (num_words, self.sent_tokenize(" ".join(words).strip()))
+        return self._sentences[1]
 
     def qa(self, dataset: str) -> tuple[list[dict], list[str]]:
         return self.squad if dataset == "squad" else self.hotpotqa
@@ -311,8 +320,8 @@ class Cell:
             if self.total(text) <= self.length:
                 return text, answers, n
             if n <= incremental:
-                raise ValueError(f"RULER {self.task}: a sample with {n} haystack units still exceeds "
-                                 f"{self.length} tokens; use a longer length")
+                raise ValueError(f"RULER {self.task}: even {n} haystack units exceed {self.length} tokens "
+                                 "with this tokenizer")
             n -= incremental
 
 
@@ -363,8 +372,7 @@ class Niah:
         return self.cell.template.format(type_needle_v=type_v, context=context, query=query), answers
 
     def essay_context(self, num_haystack: int, needles: list[str]) -> str:
-        words = itertools.islice(itertools.cycle(self.cell.res.essay_words), num_haystack)  # repeated if needed
-        sents = self.cell.res.sent_tokenize(" ".join(words).strip())
+        sents = self.cell.res.essay_sentences(num_haystack)
         positions = ([0] + sorted(int(len(sents) * (d / 100)) for d in self.cell.rng.sample(DEPTHS, len(needles)))
                      + [len(sents)])
         parts = []
@@ -422,7 +430,7 @@ class VariableTracking:
     def icl_example(self) -> str:
         """``sys_vartrack_w_noise_random(num_samples=1, max_seq_length=500, ...)`` as ``main`` builds it first:
         unwrapped, 3-letter names, root 12345, 500 tokens, nothing reserved for generation, same RNG."""
-        icl = dataclasses.replace(self.cell, length=500, tokens_to_generate=0)
+        icl = dataclasses.replace(self.cell, task="vt in-context example", length=500, tokens_to_generate=0)
         icl.rng, icl.nprng = self.cell.rng, self.cell.nprng
         incremental = 5
         per_unit = icl.count(self.build(incremental, True)[0]) / incremental

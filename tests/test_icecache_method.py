@@ -1,0 +1,314 @@
+"""IceCache and IceCache(reuse) (icecache/method.py; spec: reference/icecache.md §1, §4, §5)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import assert_matches_full, build_tiny, generate_with
+from icecache.kv import BudgetError, ModelSpec, make_method
+from icecache.kv.timing import PhaseTimer
+from icecache.offload import OffloadStore
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# K covers every index page: exhaustive search (every child scored, unbounded field of view) and
+# indexing even though the prompt fits in the budget, so every page is retrieved through the index.
+EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only contend on the shared 2-core machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------ equals full attention
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_covering_budget_through_the_index_matches_full(tiny_model, method):
+    cache = assert_matches_full(tiny_model, method, budget=256, prompt_len=200, new_tokens=8, debug=True,
+                                **EXHAUSTIVE)
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    assert budgeted and all(s.offloaded and s.bytes_moved > 0 for s in budgeted)
+    anchors = [s for s in budgeted if cache.method.builds_index(s.layer_idx)]
+    assert all(s.index is not None for s in anchors)
+    if method == "icecache_reuse":  # tiny models have 4 layers: layer 2 is the anchor of layer 3
+        assert cache.states[3].index is None
+    # pages are under-filled, so the whole prompt takes more pages than tokens / 16: all were attended
+    assert all(e == pytest.approx(200 + 3) for e in cache.effective_tokens())
+
+
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_prompt_within_budget_is_not_indexed_and_matches_full(method):
+    cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), method, budget=256, prompt_len=200, debug=True)
+    assert not any(s.offloaded for s in cache.states)
+
+
+# --------------------------------------------------------------------------- budgets and layouts
+def test_layouts():
+    assert make_method("icecache", budget=64).layout() == (1, 2, 1)  # reference §10: 64 -> (1, 2, 1)
+    assert make_method("icecache", budget=80).layout() == (2, 2, 1)
+    assert make_method("icecache", budget=128).layout() == (2, 2, 4)
+    assert make_method("icecache", budget=256).layout() == (2, 2, 12)
+    assert make_method("icecache", budget=64, page_size=8).layout() == (2, 2, 4)
+    assert make_method("icecache", budget=64, n_sink_pages=0, budget_layout="fixed").layout() == (0, 2, 2)
+
+
+@pytest.mark.parametrize("budget,hp,nearest", [
+    (None, {}, "budget=128"),
+    (100, {}, "96 or 112"),
+    (48, {}, "64"),
+    (8, {}, "64"),
+    (64, dict(budget_layout="fixed"), "80"),
+    (36, dict(page_size=8), "32 or 40"),
+])
+def test_invalid_budgets(budget, hp, nearest):
+    with pytest.raises(BudgetError, match=nearest):
+        make_method("icecache", budget=budget, **hp)
+
+
+def test_invalid_options():
+    with pytest.raises(ValueError, match="budget_layout"):
+        make_method("icecache", budget=64, budget_layout="tight")
+    with pytest.raises(ValueError, match="gqa_merge"):
+        make_method("icecache", budget=64, gqa_merge="max")
+    with pytest.raises(ValueError, match="n_window_pages"):
+        make_method("icecache", budget=128, n_window_pages=1)
+    with pytest.raises(ValueError, match="n_reuse_layers"):
+        make_method("icecache_reuse", budget=128, n_reuse_layers=0)
+
+
+def test_yaml_configs_build():
+    for name in ("icecache", "icecache_reuse"):
+        opts = OmegaConf.to_container(OmegaConf.load(CONF / "cache" / f"{name}.yaml"))
+        assert make_method(opts.pop("name"), budget=64, **opts).name == name
+
+
+def test_reuse_anchors_follow_check_reuse():
+    m = make_method("icecache_reuse", budget=128)
+    assert [m.anchor_of(i) for i in range(12)] == [0, 1, 2, 2, 2, 5, 5, 5, 8, 8, 8, 11]
+
+
+# ------------------------------------------------------------------ the method driven on raw tensors
+H_KV, H_Q, D = 2, 4, 16
+SPEC = ModelSpec(n_layers=4, n_q_heads=H_Q, n_kv_heads=H_KV, head_dim=D, scaling=D ** -0.5, max_position=4096)
+
+
+class Driver:
+    """Drives layers ``2..3`` of a method directly with random post-RoPE tensors, keeping the whole K/V
+    history for explicit reference computations."""
+
+    def __init__(self, method, prompt: int, seed: int = 0, copy: tuple[slice, slice] | None = None):
+        """``copy = (dst, src)``: prompt keys at positions ``dst`` are copies of those at ``src``."""
+        self.gen = torch.Generator().manual_seed(seed)
+        self.method, self.timer = method, PhaseTimer()
+        method.bind(SPEC)
+        self.states = {i: method.new_state(i) for i in range(SPEC.n_layers)}
+        self.k = {i: torch.randn(H_KV, prompt, D, generator=self.gen) for i in (2, 3)}
+        if copy is not None:
+            for i in (2, 3):
+                self.k[i][:, copy[0]] = self.k[i][:, copy[1]]
+        self.v = {i: torch.randn(H_KV, prompt, D, generator=self.gen) for i in (2, 3)}
+        for i in (2, 3):
+            st = self.states[i]
+            st.n_seen = prompt
+            method.prefill(st, torch.randn(H_Q, prompt, D, generator=self.gen), self.k[i], self.v[i])
+            method.finish_prefill(st)
+
+    def step(self, q: torch.Tensor | None = None, keys: dict | None = None):
+        """One decode step of layers 2 and 3; returns ``{layer: (q, out)}``."""
+        q = torch.randn(H_Q, 1, D, generator=self.gen) if q is None else q
+        outs = {}
+        for i in (2, 3):
+            st = self.states[i]
+            k = torch.randn(H_KV, 1, D, generator=self.gen) if keys is None else keys[i]
+            v = torch.randn(H_KV, 1, D, generator=self.gen)
+            self.k[i], self.v[i] = torch.cat([self.k[i], k], 1), torch.cat([self.v[i], v], 1)
+            st.n_seen += 1
+            outs[i] = self.method.decode(st, q, k, v, self.timer)
+        return q, outs
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[list[int]]):
+    """fp64 softmax attention of query head ``i`` over ``positions[i // G]`` of KV head ``i // G``."""
+    out = []
+    for i in range(q.shape[0]):
+        h = i // (q.shape[0] // k.shape[0])
+        idx = torch.tensor(positions[h])
+        scores = (q[i, 0].double() @ k[h, idx].double().T) * SPEC.scaling
+        out.append(torch.softmax(scores, -1) @ v[h, idx].double())
+    return torch.stack(out)[:, None]
+
+
+def page_bytes(method) -> int:
+    return 2 * method.page_size * D * 4  # K and V of one (head, page) block, fp32
+
+
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_attends_exactly_sink_selected_pages_and_window(method):
+    """40 steps crossing three window evictions: the output equals an explicit attention over sink ∪
+    the selected pages' valid tokens ∪ window, the resident set stays within the budget (debug=True)."""
+    m = make_method(method, budget=128, debug=True)
+    drv = Driver(m, prompt=300)
+    sink, window, k_pages = m.layout()
+    attended, attend = {}, m.attend
+
+    def spy(st, q, fetched):  # the attended positions at attention time (the window may evict after)
+        attended[st.layer_idx] = m.attended_positions(st)
+        return attend(st, q, fetched)
+
+    m.attend = spy
+    evictions = 0
+    for _ in range(40):
+        starts = {i: drv.states[i].win_start for i in (2, 3)}
+        q, outs = drv.step()
+        evictions += drv.states[2].win_start != starts[2]
+        for i in (2, 3):
+            st = drv.states[i]
+            table = m.page_source(st).index.page_table
+            selection = m.page_source(st).selection
+            positions = []
+            for h in range(H_KV):
+                pages = selection[h][selection[h] >= 0]
+                assert 1 <= len(pages) <= k_pages
+                selected = table[h, pages].flatten()
+                selected = selected[selected >= 0].tolist()
+                win = list(range(starts[i], st.n_seen))  # the current token and < n_window pages of past
+                assert len(win) - 1 < window * m.page_size
+                expected = sorted(list(range(sink * m.page_size)) + selected + win)
+                got = attended[i][h]
+                assert sorted(got[got >= 0].tolist()) == expected  # no duplicates, nothing else
+                assert len(expected) - 1 <= m.budget
+                positions.append(expected)
+            ref = reference_attention(q, drv.k[i], drv.v[i], positions)
+            torch.testing.assert_close(outs[i].double(), ref, atol=1e-5, rtol=1e-5)
+            assert m.resident_tokens(st) <= m.budget
+    assert evictions == 3
+
+
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
+    # the window [256, 284) fills at the 4th step; its oldest page, evicted then and inserted at the 5th,
+    # holds copies of the keys at 100..115, so the insert changes the page of token 100 ...
+    m = make_method(method, budget=128, prop_to_retrieve=1.0, min_fov=1 << 20)
+    drv = Driver(m, prompt=284, copy=(slice(256, 272), slice(100, 116)))
+    st, anchor = drv.states[3], drv.states[2]
+    # ... which a query aligned with key 100 selects (query head i reads KV head i // 2)
+    q = 10 * drv.k[2][torch.arange(H_Q) // 2, 100][:, None]
+    drv.step(q)
+    first = st.step_bytes
+    assert first == page_bytes(m) * int((st.slot_page >= 0).sum()) > 0
+    drv.step(q)
+    assert st.step_bytes == 0 and anchor.step_bytes == 0  # same query, same pages: nothing moves
+    assert st.bytes_moved == first
+    drv.step(q)
+    drv.step(q)
+    assert anchor.staged is not None and anchor.step_bytes == 0
+    held = {(h, int(p)) for h in range(H_KV) for p in anchor.slot_page[h] if p >= 0}
+    drv.step(q)  # inserts the staged page, then selects with the same query
+    changed = {(h, int(p)) for h in range(H_KV) for p in anchor.changed[h].nonzero().flatten()}
+    now = {(h, int(p)) for h in range(H_KV) for p in anchor.selection[h] if p >= 0}
+    assert held & changed & now, "the test must change a resident, still selected page"
+    refetch = (held & changed & now) | (now - held)
+    for layer in (anchor, st):
+        assert layer.step_bytes == page_bytes(m) * len(refetch)
+        # every resident copy equals the current page content: no stale slot survives
+        table = m.page_source(layer).index.page_table
+        for h in range(H_KV):
+            for slot, page in enumerate(layer.slot_page[h].tolist()):
+                if page < 0:
+                    continue
+                assert torch.equal(layer.slot_tokens[h, slot], table[h, page])
+                ok = table[h, page] >= 0
+                torch.testing.assert_close(layer.slot_k[h, slot][ok], drv.k[layer.layer_idx][h, table[h, page][ok]])
+
+
+def test_reuse_layer_loads_its_own_kv_in_the_anchors_layout():
+    m = make_method("icecache_reuse", budget=128)
+    drv = Driver(m, prompt=300)
+    drv.step()
+    anchor, st = drv.states[2], drv.states[3]
+    assert st.index is None and torch.equal(st.slot_page, anchor.slot_page)
+    assert torch.equal(st.slot_tokens, anchor.slot_tokens)
+    ok = st.slot_tokens >= 0
+    heads = torch.arange(H_KV)[:, None, None].expand_as(st.slot_tokens)
+    torch.testing.assert_close(st.slot_k[ok], drv.k[3][heads[ok], st.slot_tokens[ok]])
+    assert not torch.equal(st.slot_k[ok], anchor.slot_k[ok])
+
+
+def test_union_merge_attends_the_group_union():
+    m = make_method("icecache", budget=128, gqa_merge="union", debug=True)
+    drv = Driver(m, prompt=300)
+    q, _ = drv.step()
+    st = drv.states[2]
+    pages = st.index.search(q[:, 0], m.layout()[2], n_seq=st.n_seen)
+    for h in range(H_KV):
+        union = set(pages[2 * h: 2 * h + 2].flatten().tolist()) - {-1}
+        assert set(st.selection[h].tolist()) - {-1} == union
+    assert m.resident_bound() == 128 + 4 * 16
+
+
+# ------------------------------------------------------------------------------------ model level
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+@pytest.mark.parametrize("prompt", [200, 40], ids=["indexed-at-prefill", "indexed-during-decode"])
+def test_resident_set_stays_within_budget_over_a_long_generation(method, prompt):
+    model = build_tiny("tiny-qwen3", 2, 4)
+    ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
+    _, cache = generate_with(model, ids, 40, method, budget=64, debug=True)  # debug asserts every step
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    assert all(s.offloaded for s in budgeted)
+    assert cache.max_budgeted_resident() <= 64
+    effective = cache.effective_tokens()
+    assert all(e <= 64 for s, e in zip(cache.states, effective) if cache.method.is_budgeted(s.layer_idx))
+    assert effective[0] == pytest.approx(prompt + 19.5)  # dense layers attend everything (mean of 39 steps)
+
+
+# ------------------------------------------------------------------------------------ offload store
+def test_bulk_load_packs_pages_in_one_transfer():
+    k, v = torch.randn(2, 40, D), torch.randn(2, 40, D)
+    store = OffloadStore(k[:, :30], v[:, :30], first_pos=10, device=torch.device("cpu"), max_blocks=4, page_size=4)
+    store.append(k[:, 30:], v[:, 30:])  # positions 40..49
+    positions = torch.tensor([[10, 12, 49, -1], [45, 11, -1, -1]])
+    heads = torch.tensor([1, 0])
+    got_k, got_v = store.bulk_load(heads, positions)
+    for b in range(2):
+        ok = positions[b] >= 0
+        torch.testing.assert_close(got_k[b][ok], k[heads[b], positions[b][ok] - 10])
+        torch.testing.assert_close(got_v[b][ok], v[heads[b], positions[b][ok] - 10])
+    assert store.bytes_moved == 2 * 2 * 4 * D * 4
+    with pytest.raises(IndexError):
+        store.bulk_load(torch.tensor([0]), torch.tensor([[50, -1, -1, -1]]))
+    with pytest.raises(ValueError):
+        store.bulk_load(torch.zeros(5, dtype=torch.long), torch.full((5, 4), 10))
+
+
+# ------------------------------------------------------------------------------ SmolLM2 integration
+def _passkey_cfg(cache: str, budget, out: Path) -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    for group, name in (("model", "smollm2-135m"), ("cache", cache), ("eval", "passkey")):
+        cfg[group] = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
+    cfg.pop("defaults"), cfg.pop("hydra")
+    cfg["eval"].update(lengths=[2048], depths=[0.5])
+    return dict(cfg, budget=budget, results_dir=str(out), data_dir=None, progress=False, debug=True)
+
+
+@pytest.mark.slow
+def test_smollm2_passkey_2k_budget_64_matches_full(tmp_path):
+    from evals.harness import run_eval
+    from icecache.models import ModelUnavailableError, smollm2_checkpoint
+    try:
+        smollm2_checkpoint()
+    except ModelUnavailableError as err:
+        pytest.skip(str(err))
+    scores = {}
+    for cache, budget in (("full", None), ("icecache", 64)):
+        run = run_eval(_passkey_cfg(cache, budget, tmp_path))
+        scores[cache] = json.loads((run / "metrics.json").read_text())
+        timing = json.loads((run / "timing.json").read_text())
+    assert scores["icecache"] == scores["full"]
+    assert timing["max_resident_tokens"] <= 64
