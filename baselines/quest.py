@@ -90,7 +90,7 @@ class Quest(KVMethod):
 
     def store(self, st: QuestState, k: torch.Tensor, v: torch.Tensor) -> None:
         """Appends K/V and refreshes the metadata of the pages the new tokens touched."""
-        first_page = (st.resident_tokens()) // self.page_size
+        first_page = st.resident_tokens() // self.page_size
         super().store(st, k, v)
         lo, hi = page_min_max(st.k[:, first_page * self.page_size:], self.page_size)
         if st.kmin is None:

@@ -84,3 +84,17 @@ class Suite:
         if not path.exists():
             raise DataError(f"eval '{self.name}': {path} not found; see ../shared/data/README.md for how to get it")
         return path
+
+
+def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
+    """Token budget for one sample. A float in (0, 1) is that fraction of the prompt's tokens, rounded
+    down to a multiple of ``multiple`` and at least ``minimum`` (PQCache's ``compress_ratio``; IceCache's
+    "10% budget"); a whole number >= 1 is a budget in tokens; ``None`` means no budget."""
+    if budget is None:
+        return None
+    value = float(budget)
+    if 0 < value < 1:
+        return max(minimum, int(value * n_prompt_tokens) // multiple * multiple)
+    if value >= 1 and value == int(value):
+        return int(value)
+    raise ValueError(f"budget must be a fraction in (0, 1) of the prompt or a whole number of tokens, got {budget}")

@@ -25,7 +25,7 @@ import json
 import re
 from typing import Iterator
 
-from .base import DataError, Sample, Suite
+from .base import DataError, Sample, Suite, resolve_budget
 
 PROTOCOLS = ("pqcache", "lm_eval")
 PQCACHE_SPLIT = "\nQuestion: "
@@ -66,20 +66,6 @@ LM_EVAL_STRICT = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 LM_EVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
 INVALID = "[invalid]"
-
-
-def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
-    """Token budget for one sample. A float in (0, 1) is that fraction of the prompt's tokens, rounded
-    down to a multiple of ``multiple`` and at least ``minimum`` (PQCache's ``compress_ratio``; IceCache's
-    "10% budget"); a whole number >= 1 is a budget in tokens; ``None`` means no budget."""
-    if budget is None:
-        return None
-    value = float(budget)
-    if 0 < value < 1:
-        return max(minimum, int(value * n_prompt_tokens) // multiple * multiple)
-    if value >= 1 and value == int(value):
-        return int(value)
-    raise ValueError(f"budget must be a fraction in (0, 1) of the prompt or a whole number of tokens, got {budget}")
 
 
 def pqcache_correct(generation: str, answer: str) -> bool:

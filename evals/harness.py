@@ -21,7 +21,7 @@ from icecache.kv.registry import UnknownNameError
 from icecache.models import MODELS, ModelUnavailableError, load_model, load_tokenizer
 
 from . import results
-from .base import DataError
+from .base import DataError, resolve_budget
 from .registry import suite_class
 from .runner import generate
 
@@ -49,14 +49,6 @@ def cache_options(cfg: dict) -> tuple[str, dict]:
     return opts.pop("name"), opts
 
 
-def budget_for(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
-    """A budget in tokens; a float in (0, 1) is a fraction of the prompt (the paper's "10% budget"),
-    rounded down to a multiple of ``multiple`` and at least ``minimum``."""
-    if budget is None or isinstance(budget, int) or float(budget) >= 1:
-        return None if budget is None else int(budget)
-    return max(minimum, int(float(budget) * n_prompt_tokens) // multiple * multiple)
-
-
 @dataclass
 class Plan:
     """A validated run: everything that can fail cheaply has been checked."""
@@ -69,7 +61,7 @@ class Plan:
     run_dir: Path
 
     def method(self, n_prompt_tokens: int) -> KVMethod:
-        return make_method(self.method_name, budget=budget_for(self.cfg.get("budget"), n_prompt_tokens),
+        return make_method(self.method_name, budget=resolve_budget(self.cfg.get("budget"), n_prompt_tokens),
                            debug=bool(self.cfg.get("debug")), **self.method_options)
 
 
@@ -85,7 +77,7 @@ def plan(cfg: dict) -> Plan:
         raise ConfigError(f"budget must be positive (tokens, or a fraction in (0, 1) of the prompt), got {budget}")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
-        make_method(name, budget=budget_for(budget, 1 << 20), **options)
+        make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
     except (TypeError, ValueError) as err:
         if isinstance(err, (BudgetError, UnknownNameError)):
             raise
@@ -124,7 +116,8 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
         torch.manual_seed(cfg.get("seed", 0))
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
-                       ignore_eos=sample.ignore_eos, profile=bool(cfg.get("profile")))
+                       ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
+                       min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")))
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": gen.timing()}
         run.append(row)

@@ -57,13 +57,22 @@ def _stop_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_tokens: int,
              decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
-             profile: bool = False) -> Generation:
-    """Greedy generation of one sample with a fresh cache of ``method``."""
+             stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False) -> Generation:
+    """Greedy generation of one sample with a fresh cache of ``method``. Generation ends at EOS or one
+    of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
+    ``max_new_tokens``."""
     device = next(model.parameters()).device
     compat.enable_attention(model)
     cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
     kw = compat.cache_kwargs(cache)
-    eos = set() if ignore_eos else _stop_ids(model, tokenizer)
+    eos = set(stop_token_ids) | (set() if ignore_eos else _stop_ids(model, tokenizer))
+
+    def pick(logits: torch.Tensor, n_out: int) -> int:
+        scores = logits[0, -1]
+        if n_out < min_new_tokens and eos:
+            scores = scores.clone()
+            scores[list(eos)] = float("-inf")
+        return int(scores.argmax())
     try:
         start = _now(device)
         cache.begin_prefill()
@@ -72,7 +81,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             cache.begin_step()
             logits = model(torch.tensor([[tok]], device=device), use_cache=True, **kw).logits
             cache.end_step()
-        token = int(logits[0, -1].argmax())
+        token = pick(logits, 0)
         stamps, out, breakdown = [_now(device)], [token], {p: 0.0 for p in (*PHASES, "other")}
         max_resident = cache.max_budgeted_resident()
         while len(out) < max_new_tokens and token not in eos and not _hits_stop(tokenizer, out, stop):
@@ -80,7 +89,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             cache.begin_step()
             logits = model(torch.tensor([[token]], device=device), use_cache=True, **kw).logits
             phases = cache.end_step()
-            token = int(logits[0, -1].argmax())
+            token = pick(logits, len(out))
             out.append(token)
             stamps.append(_now(device))
             max_resident = max(max_resident, cache.max_budgeted_resident())
