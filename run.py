@@ -2,7 +2,9 @@
 
 Composes the config, validates it (names, budget, limit, data) before loading anything heavy, runs the
 suite and prints ``results: <run dir>`` as its last line. User errors print one line and exit 2;
-``debug=true`` or ``HYDRA_FULL_ERROR=1`` shows the traceback.
+``debug=true`` or ``HYDRA_FULL_ERROR=1`` shows the traceback. In a sweep (``-m``) a user error is also raised,
+so the launcher (basic or submitit) records that job as failed, the other jobs still run, and
+Hydra reports the failed overrides at the end (exit status 1).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -26,6 +30,8 @@ def main(cfg: DictConfig) -> str:
         if debug:
             raise
         print(f"error: {err}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the launcher records this job as failed; the sweep's other jobs still run
         sys.exit(2)
     print_run(run_dir)
     print(f"results: {run_dir}")

@@ -30,9 +30,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from baselines.h2o import GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, store_per_head
 from icecache.kv import BudgetError, KVMethod, causal_attention
 from icecache.kv.attention import attention_logits
+from icecache.kv.per_head import GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, store_per_head
 
 POOLINGS = ("max", "avg")
 DECODE_POLICIES = ("sliding", "grow")

@@ -20,7 +20,7 @@ from icecache.kv import BudgetError, KVMethod, make_method
 from icecache.kv.registry import UnknownNameError
 from icecache.models import MODELS, ModelUnavailableError, load_model, load_tokenizer
 
-from . import results
+from . import results, wandb_log
 from .base import DataError, resolve_budget
 from .registry import suite_class
 from .runner import generate
@@ -129,6 +129,8 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
     timing = summarize_timing(rows, model)
     results.write_json(p.run_dir / "metrics.json", metrics)
     results.write_json(p.run_dir / "timing.json", timing)
+    # Optional W&B logging of the finished run directory (a no-op unless wandb.enabled=true).
+    wandb_log.log_run(p.cfg, p.run_dir)
     return p.run_dir
 
 

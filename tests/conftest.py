@@ -84,3 +84,24 @@ def build_byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (fp32 on CPU) and its tokenizer, loaded once per test session."""
+    from icecache.models import ModelUnavailableError, load_model, load_tokenizer
+
+    try:
+        return load_model("smollm2-135m", dtype="float32"), load_tokenizer("smollm2-135m")
+    except ModelUnavailableError as err:
+        pytest.skip(f"embedded model unavailable: {err}")
+
+
+def natural_prompt_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """About ``n_tokens`` of natural text (Paul Graham essays when the data is present)."""
+    import json
+
+    essays = DATA_DIR / "pg_essays" / "PaulGrahamEssays.json"
+    text = json.loads(essays.read_text())["text"] if essays.exists() else (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 400)
+    return torch.tensor([tokenizer(text)["input_ids"][:n_tokens]])

@@ -1,0 +1,130 @@
+"""Optional Weights & Biases logging of a finished run directory (``wandb.enabled=true``).
+
+One W&B run per run directory, named so the comparison dashboard groups itself (docs/wandb.md):
+project ``wandb.project``, group ``"<eval>/<model>"``, run name ``"<cache>-b<budget>"``, tags for the
+eval, model, cache and budget. Logged: the resolved config; the headline score and per-task scores;
+TTFT/TT2T/TPOT (mean, p50, p90) and the TPOT breakdown per phase; peak memory; the effective tokens
+attended per layer (table + line chart); and a table of per-sample predictions.
+
+Everything is read back from the run directory (``metrics.json``, ``timing.json``, ``predictions.jsonl``),
+so ``python -m evals.wandb_log <results_dir>`` can also upload runs made without W&B, e.g. on a cluster
+with no network. ``wandb`` is imported only when logging is enabled. Offline mode (``wandb.mode=offline``
+or ``WANDB_MODE=offline``) writes the run under ``$WANDB_DIR/wandb/`` (default ``./wandb``) with no
+network; ``wandb sync`` uploads it later. The W&B run id is derived from the run directory, so logging the
+same directory again (a resumed sweep) updates that W&B run instead of creating a duplicate.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from .results import load_predictions
+
+# Config keys that describe where or how a run was executed, not what it computed.
+NOT_LOGGED = ("wandb", "hydra")
+
+
+def enabled(cfg: dict) -> bool:
+    return bool((cfg.get("wandb") or {}).get("enabled"))
+
+
+def run_names(cfg: dict) -> dict:
+    """W&B project/entity/group/name/tags of a run (the dashboard's grouping keys)."""
+    wb = cfg.get("wandb") or {}
+    ev, model, cache, budget = cfg["eval"]["name"], cfg["model"]["name"], cfg["cache"]["name"], cfg.get("budget")
+    return {"project": wb.get("project") or "icecache-bench", "entity": wb.get("entity"),
+            "group": f"{ev}/{model}", "name": f"{cache}-b{budget}",
+            "tags": [ev, model, cache, f"budget={budget}"]}
+
+
+def run_id(run_dir: Path) -> str:
+    """A stable W&B run id for a run directory (eval/model/run name + the stamped config hash)."""
+    stamp = (run_dir / "config_hash").read_text().strip() if (run_dir / "config_hash").exists() else ""
+    key = "/".join(run_dir.parts[-3:]) + ":" + stamp
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def scalars(metrics: dict, timing: dict) -> dict:
+    """Flat numbers for the run summary: score, task/<t>, timing, breakdown/<phase>, memory, and for the
+    latency suite length/<L>/<key>."""
+    out = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out.update({f"task/{t}": v for t, v in metrics.get("tasks", {}).items()})
+    for key in ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "max_resident_tokens", "peak_memory_bytes"):
+        if timing.get(key) is not None:
+            out[key] = timing[key]
+    out.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
+    for length, at in metrics.get("lengths", {}).items():  # latency suite: timing per context length
+        out.update({f"length/{length}/{k}": v for k, v in at.items() if isinstance(v, (int, float))})
+        out.update({f"length/{length}/breakdown/{p}": v for p, v in at.get("breakdown", {}).items()})
+    if timing.get("peak_memory_bytes"):
+        out["peak_memory_gib"] = timing["peak_memory_bytes"] / 2**30
+    effective = [v for v in timing.get("effective_tokens_per_layer", []) if v is not None]
+    if effective:
+        out["effective_tokens_mean"] = sum(effective) / len(effective)
+    return out
+
+
+def prediction_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Columns and rows of the per-sample predictions table."""
+    columns = ["id", "task", "reference", "prediction", "score", "scores", "meta", "tt2t_s", "n_output_tokens"]
+    data = []
+    for r in rows:
+        timing = r.get("timing") or {}
+        data.append([r["id"], r["task"], json.dumps(r.get("reference"), ensure_ascii=False), r["prediction"],
+                     r["scores"].get("score"), json.dumps(r["scores"]), json.dumps(r.get("meta", {}), default=str),
+                     timing.get("tt2t_s"), len(timing.get("intervals_s", [])) + 1 if timing else None])
+    return columns, data
+
+
+def log_run(cfg: dict, run_dir: Path) -> str | None:
+    """Logs one finished run directory to W&B when ``cfg["wandb"]["enabled"]``; returns the W&B run id."""
+    if not enabled(cfg):
+        return None
+    import wandb
+
+    run_dir = Path(run_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    timing = json.loads((run_dir / "timing.json").read_text())
+    config = {k: v for k, v in cfg.items() if k not in NOT_LOGGED}
+    wb = cfg.get("wandb") or {}
+    rid = run_id(run_dir)
+    with wandb.init(**run_names(cfg), id=rid, resume="allow", mode=wb.get("mode"), job_type="eval",
+                    config={**config, "run_dir": str(run_dir)}, settings=wandb.Settings(console="off")) as run:
+        layers = wandb.Table(columns=["layer", "effective_tokens"],
+                             data=[[i, v] for i, v in enumerate(timing.get("effective_tokens_per_layer", []))])
+        phases = wandb.Table(columns=["phase", "seconds_per_token"],
+                             data=[[p, v] for p, v in timing.get("breakdown", {}).items()])
+        columns, data = prediction_rows(load_predictions(run_dir / "predictions.jsonl"))
+        run.log({**scalars(metrics, timing),
+                 "effective_tokens_per_layer": wandb.plot.line(layers, "layer", "effective_tokens",
+                                                               title="Effective tokens attended per layer"),
+                 "tpot_breakdown": wandb.plot.bar(phases, "phase", "seconds_per_token",
+                                                  title="TPOT breakdown (s per output token)"),
+                 "predictions": wandb.Table(columns=columns, data=data)})
+    return rid
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Logs every finished run directory under a results folder to W&B")
+    parser.add_argument("results_dir", nargs="?", default="results")
+    parser.add_argument("--project", default=None)
+    parser.add_argument("--entity", default=None)
+    parser.add_argument("--mode", default=None, choices=["online", "offline"])
+    args = parser.parse_args(argv)
+    for stamp in sorted(Path(args.results_dir).rglob("config_hash")):
+        run_dir = stamp.parent
+        if not (run_dir / "metrics.json").exists():
+            print(f"skipped (incomplete): {run_dir}")
+            continue
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        wb = dict(cfg.get("wandb") or {}, enabled=True)
+        wb.update({k: v for k, v in (("project", args.project), ("entity", args.entity), ("mode", args.mode)) if v})
+        print(f"logged {log_run(dict(cfg, wandb=wb), run_dir)}: {run_dir}")
+
+
+if __name__ == "__main__":
+    main()
