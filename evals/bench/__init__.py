@@ -1,0 +1,1 @@
+"""Benchmarks (scripts that measure side by side and print ratios; not tests)."""
