@@ -111,7 +111,7 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
     model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
                        cfg.get("device", "cpu"), seed=cfg.get("seed", 0))
     todo = [s for s in samples if s.id not in run.done_ids()]
-    judge = _judge(model, tokenizer)
+    judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
@@ -134,13 +134,22 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
     return p.run_dir
 
 
-def _judge(model, tokenizer):
-    """The default judge for suites that need one (LongGenBench): the model under test, full cache."""
+def _judge(model, tokenizer, judge_model: str | None, cfg: dict):
+    """The judge for suites that need one (LongGenBench): by default the model under test, else the
+    registered model ``judge_model`` (loaded on first use); always greedy with the full cache."""
     from baselines.full import FullCache
 
+    loaded = {}
+
     def judge(text: str, max_new_tokens: int) -> str:
-        ids = tokenizer(text)["input_ids"]
-        return generate(model, tokenizer, FullCache(), ids, max_new_tokens).text
+        if judge_model and judge_model != cfg["model"]["name"]:
+            if not loaded:
+                loaded["model"] = load_model(judge_model, device=cfg.get("device", "cpu"))
+                loaded["tokenizer"] = load_tokenizer(judge_model)
+            m, tok = loaded["model"], loaded["tokenizer"]
+        else:
+            m, tok = model, tokenizer
+        return generate(m, tok, FullCache(), tok(text)["input_ids"], max_new_tokens).text
     return judge
 
 

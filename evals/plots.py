@@ -1,6 +1,21 @@
-"""Figures from run summaries (matplotlib, headless)."""
+"""Figures from a results folder (matplotlib, headless): ``python -m evals.plots results``.
+
+Writes ``summary.csv`` first (evals/summary.py) and draws from it; the per-length latency curves read the
+latency runs' ``metrics.json`` and the passkey heat maps the passkey runs' ``predictions.jsonl``. PNGs go to
+``<results_dir>/figures/``, one set per (eval, model):
+
+* ``accuracy_vs_budget_<eval>_<model>.png`` score vs KV budget per method, full cache dashed
+* ``latency_scatter_<eval>_<model>.png``    TT2T vs TPOT per run, annotated with its score
+* ``tpot_breakdown_<eval>_<model>.png``     TPOT split into select/transfer/attention/update/other
+* ``decode_latency_vs_length_<model>.png``  TPOT vs context length (latency suite)
+* ``passkey_heatmap_<model>.png``           passkey accuracy over length x depth, one panel per run
+
+Each method keeps one colour everywhere (:data:`METHOD_COLORS`).
+"""
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import matplotlib
@@ -9,9 +24,193 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .results import load_predictions  # noqa: E402
+from .summary import write_summary  # noqa: E402
+
 METHOD_COLORS = {"full": "#333333", "streaming_llm": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#8c564b",
                  "pqcache": "#2ca02c", "omnikv": "#9467bd", "magicpig": "#e377c2", "quest": "#7f7f7f",
                  "topk": "#bcbd22", "icecache": "#d62728", "icecache_reuse": "#17becf"}
+PHASE_COLORS = {"select": "#4c72b0", "transfer": "#dd8452", "attention": "#55a868", "update": "#c44e52",
+                "other": "#8c8c8c"}
+NOT_ACCURACY = ("latency",)  # suites whose score is not a quality metric
+
+
+def method_color(cache: str) -> str:
+    return METHOD_COLORS.get(cache, "#000000")
+
+
+def run_label(row) -> str:
+    return "full" if row["cache"] == "full" else f"{row['cache']} b{_budget_text(row['budget'])}"
+
+
+def _budget_text(budget) -> str:
+    return "none" if pd.isna(budget) else f"{float(budget):g}"
+
+
+def _save(fig, out: Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _sorted_runs(frame: pd.DataFrame) -> pd.DataFrame:
+    """Runs ordered full cache first, then by method and budget. The full cache ignores the budget, so
+    of several full-cache runs (a sweep over budgets) only the first is kept."""
+    frame = frame.assign(budget=pd.to_numeric(frame["budget"], errors="coerce"))
+    frame = frame.sort_values(["cache", "budget"], key=lambda c: c.map(lambda x: (x != "full", x))
+                              if c.name == "cache" else c)
+    same = [c for c in ("eval", "model", "cache", "length") if c in frame]
+    return frame[~((frame["cache"] == "full") & frame.duplicated(same))]
+
+
+def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """Headline score vs KV budget (log2 axis), one line per method; the full cache as a dashed line."""
+    frame = _sorted_runs(frame)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cache, runs in frame.groupby("cache", sort=False):
+        if cache == "full":
+            ax.axhline(runs["score"].mean(), ls="--", color=method_color(cache), label="full cache")
+        else:
+            ax.plot(runs["budget"], runs["score"], marker="o", color=method_color(cache), label=cache)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV budget (past tokens per head per layer)")
+    ax.set_ylabel("score (0-100)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(title or "Score vs KV budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def latency_scatter(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """TT2T (s) vs TPOT (ms), one point per run in its method's colour, annotated with budget and score."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cache, runs in _sorted_runs(frame).groupby("cache", sort=False):
+        ax.scatter(runs["tt2t_s"], 1000 * runs["tpot_s"], color=method_color(cache), label=cache, s=40)
+        for _, row in runs.iterrows():
+            note = f"b{_budget_text(row['budget'])}: {row['score']:.1f}" if cache != "full" else f"{row['score']:.1f}"
+            ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+    ax.margins(0.15)
+    ax.set_xlabel("time to second token, TT2T (s)")
+    ax.set_ylabel("time per output token, TPOT (ms)")
+    ax.set_title(title or "TT2T vs TPOT (labels: budget: score)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """Stacked bars per run: milliseconds per output token in each decode phase."""
+    frame = _sorted_runs(frame)
+    phases = [c.split("/", 1)[1] for c in frame.columns if c.startswith("breakdown/")]
+    phases = [p for p in PHASE_COLORS if p in phases] + [p for p in phases if p not in PHASE_COLORS]
+    labels = [run_label(row) for _, row in frame.iterrows()]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(labels) + 2), 4))
+    bottom = [0.0] * len(labels)
+    for phase in phases:
+        ms = (1000 * frame[f"breakdown/{phase}"].fillna(0.0)).tolist()
+        ax.bar(labels, ms, bottom=bottom, color=PHASE_COLORS.get(phase), label=phase)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_ylabel("time per output token (ms)")
+    ax.set_title(title or "TPOT breakdown per decode phase")
+    ax.tick_params(axis="x", rotation=45)
+    plt.setp(ax.get_xticklabels(), ha="right")
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def latency_by_length(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (latency run, context length) from the runs' ``metrics.json`` ``lengths`` entries:
+    cache, budget, model, length, tt2t_s, ttft_s, tpot_s and breakdown/<phase>."""
+    rows = []
+    for _, run in frame.iterrows():
+        metrics = json.loads((Path(run["run_dir"]) / "metrics.json").read_text())
+        for length, at in metrics.get("lengths", {}).items():
+            rows.append({"cache": run["cache"], "budget": run["budget"], "model": run["model"], "length": int(length),
+                         **{k: v for k, v in at.items() if k != "breakdown"},
+                         **{f"breakdown/{p}": v for p, v in at.get("breakdown", {}).items()}})
+    return pd.DataFrame(rows)
+
+
+def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """TPOT (ms) vs context length (log2 axis), one line per run (method colour, marker per budget)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    markers = "osD^v<>px*"
+    budgets = sorted({_budget_text(b) for b in table["budget"]})
+    for (cache, budget), runs in _sorted_runs(table).groupby(["cache", "budget"], sort=False, dropna=False):
+        runs = runs.sort_values("length")
+        label = run_label({"cache": cache, "budget": budget})
+        ax.plot(runs["length"], 1000 * runs["tpot_s"], color=method_color(cache), label=label,
+                marker=markers[budgets.index(_budget_text(budget)) % len(markers)])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode latency per token, TPOT (ms)")
+    ax.set_title(title or "Decode latency vs context length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def passkey_cells(run_dir: Path) -> pd.DataFrame:
+    """Mean passkey accuracy (%) per (length, depth) of one run, from its predictions."""
+    rows = [{"length": r["meta"]["length"], "depth": r["meta"]["depth"], "score": 100 * r["scores"]["score"]}
+            for r in load_predictions(Path(run_dir) / "predictions.jsonl")]
+    return pd.DataFrame(rows).groupby(["length", "depth"], as_index=False)["score"].mean()
+
+
+def passkey_heatmap(runs: dict[str, pd.DataFrame], out: Path, title: str = "") -> Path:
+    """Passkey accuracy over context length (x) and needle depth (y), one panel per run
+    (``runs``: label -> :func:`passkey_cells` frame)."""
+    n = len(runs)
+    fig, axes = plt.subplots(1, n, figsize=(1.2 + 2.6 * n, 3.4), squeeze=False, sharey=True)
+    image = None
+    for ax, (label, cells) in zip(axes[0], runs.items()):
+        grid = cells.pivot(index="depth", columns="length", values="score").sort_index()
+        image = ax.imshow(grid.to_numpy(), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
+        ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns], rotation=45)
+        ax.set_yticks(range(grid.shape[0]), [f"{d:.0%}" for d in grid.index])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(label, fontsize=9)
+        for (i, j), v in pd.DataFrame(grid.to_numpy()).stack().items():
+            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy (%)")
+    fig.suptitle(title or "Passkey accuracy by length and depth")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def make_all(results_dir: str | Path) -> list[Path]:
+    """Writes summary.csv and every figure that the complete runs under ``results_dir`` support."""
+    results_dir = Path(results_dir)
+    summary = pd.read_csv(write_summary(results_dir))
+    if summary.empty:
+        return []
+    frame = summary[summary["status"] == "complete"]
+    figures, out = [], results_dir / "figures"
+    for (ev, model), runs in frame.groupby(["eval", "model"]):
+        tag = f"{ev}_{model}"
+        if ev not in NOT_ACCURACY and (runs["cache"] != "full").any():
+            figures.append(accuracy_vs_budget(runs, out / f"accuracy_vs_budget_{tag}.png",
+                                              f"{ev}: score vs KV budget ({model})"))
+        figures.append(latency_scatter(runs, out / f"latency_scatter_{tag}.png",
+                                       f"{ev}: TT2T vs TPOT, labels budget: score ({model})"))
+        figures.append(tpot_breakdown(runs, out / f"tpot_breakdown_{tag}.png", f"{ev}: TPOT breakdown ({model})"))
+        if ev == "latency":
+            figures.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
+                                                    f"Decode latency vs context length ({model})"))
+        if ev == "passkey":
+            cells = {run_label(row): passkey_cells(row["run_dir"]) for _, row in _sorted_runs(runs).iterrows()}
+            figures.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
+                                           f"Passkey accuracy by length and depth ({model})"))
+    return figures
 
 
 def passkey_accuracy_by_length(frame: pd.DataFrame, out: Path) -> Path:
@@ -33,3 +232,15 @@ def passkey_accuracy_by_length(frame: pd.DataFrame, out: Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Writes summary.csv and all figures of a results folder")
+    parser.add_argument("results_dir", nargs="?", default="results")
+    args = parser.parse_args(argv)
+    for path in make_all(args.results_dir):
+        print(f"figure: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -95,7 +95,9 @@ class IceCache(KVMethod):
         always_index: also index prompts of at most ``budget`` tokens (official: only longer ones); with a
             budget that covers the context, every page is then retrieved through the index.
         ratio_1, ratio_2, search_ratio, min_fov, prop_to_retrieve, seed: M-DCI parameters
-            (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts).
+            (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts). Every
+            layer uses the same ``seed``, hence one projection direction shared by all layers and heads,
+            as the official code draws one per prefill.
     """
 
     page_size: int = 16
@@ -115,9 +117,9 @@ class IceCache(KVMethod):
     _states: dict = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ configuration
-    def layout(self, budget: int | None = None) -> tuple[int, int, int]:
-        """``(sink, window, retrieved)`` pages of a budget (default: this method's)."""
-        pages = (self.budget if budget is None else budget) // self.page_size
+    def layout(self) -> tuple[int, int, int]:
+        """``(sink, window, retrieved)`` pages of the budget."""
+        pages = self.budget // self.page_size
         sink = self.n_sink_pages
         if self.budget_layout == "auto":
             sink = min(sink, max(1, pages - self.n_window_pages - 1))

@@ -103,74 +103,50 @@ CLOSEST = 128  # the C code's chunk: children are visited in runs of up to 128 a
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot(qv, page_keys, h, pg, sl):
-    acc = np.float32(0.0)
-    for j in range(qv.shape[0]):
-        acc += qv[j] * page_keys[h, pg, sl, j]
-    return acc
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def _score(h, qv, pg, sl, upper, page_keys, page_loc, node_nleaf, best, touched, n_touched,
-           cand_s, cand_v, nc):
-    """Exact score of one child; updates its page's best score and (above level 0) the candidates.
-    Returns ``(n_touched, nc, leaf pages below the child)``."""
-    acc = _dot(qv, page_keys, h, pg, sl)
-    if best[pg] == -np.inf:
+def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_touched, cand_s,
+                cand_v, nc):
+    """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of page ``pg``: updates the page's best score
+    and, above level 0, appends (score, node index) of each child. Returns ``(n_touched, nc)``."""
+    d = qv.shape[0]
+    top = best[pg]
+    if top == -np.inf:
         touched[n_touched] = pg
         n_touched += 1
-    if acc > best[pg]:
-        best[pg] = acc
-    leaves = 0
-    if upper:
-        v = page_loc[h, pg, sl] + 1
-        cand_s[nc] = acc
-        cand_v[nc] = v
-        nc += 1
-        leaves = node_nleaf[h, v]
-    return n_touched, nc, leaves
+    for s in range(s0, s1):
+        acc = np.float32(0.0)
+        for j in range(d):
+            acc += qv[j] * page_keys[h, pg, s, j]
+        top = max(top, acc)
+        if upper:
+            cand_s[nc] = acc
+            cand_v[nc] = page_loc[h, pg, s] + 1
+            nc += 1
+    best[pg] = top
+    return n_touched, nc
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
-            page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
-            touched, n_touched, cand_s, cand_v, nc):
-    """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
-    index): from the position of ``p(q)`` among the node's children (sorted by projection), take
-    chunks of up to ``CLOSEST`` children, each from the side whose next child is closer to ``p(q)``
-    (topped up from the other side when that side runs out), score every child of a chunk exactly,
-    and stop after a chunk once at least ``ceil(prop * c)`` children, at least ``need_scored``
-    children and at least ``need_leaves`` level-0 pages below them have been scored (or all ``c``).
+@njit(cache=True, nogil=True)
+def _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj, page_loc,
+                page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl):
+    """The C code's visiting order inside one node (``dci_next_closest_proj``): from the position
+    of ``p(q)`` among the ``c`` children (sorted by projection), chunks of up to ``CLOSEST`` children,
+    each from the side whose next child is closer to ``p(q)`` (topped up from the other side when
+    that side runs out); stop after a chunk once at least ``ceil(prop * c)`` children, at least
+    ``need_scored`` children and at least ``need_leaves`` level-0 pages below them are visited.
 
-    A node with ``c <= CLOSEST`` children is therefore always scored in full. Updates the page bests
-    and, above level 0, appends (score, node index) of the scored children; returns
-    ``(n_touched, nc)``.
+    The visited children always form one contiguous run of the sorted list: returns its bounds
+    ``[lo, hi)`` (positions in ``pos_pg``/``pos_sl``, filled here).
     """
-    c = 0
-    pg = node_first[h, node]
-    for _ in range(node_npages[h, node]):
-        c += page_valid[h, pg]
-        pg = page_next[h, pg]
-    if c == 0:
-        return n_touched, nc
-    if c <= CLOSEST:  # the first chunk takes every child
-        pg = node_first[h, node]
-        for _ in range(node_npages[h, node]):
-            for s in range(page_valid[h, pg]):
-                n_touched, nc, _l = _score(h, qv, pg, s, upper, page_keys, page_loc, node_nleaf,
-                                           best, touched, n_touched, cand_s, cand_v, nc)
-            pg = page_next[h, pg]
-        return n_touched, nc
-    c = 0
+    i = 0
     pg = node_first[h, node]
     left = -1  # last child with projection < p(q)
     for _ in range(node_npages[h, node]):
         for s in range(page_valid[h, pg]):
-            pos_pg[c] = pg
-            pos_sl[c] = s
+            pos_pg[i] = pg
+            pos_sl[i] = s
             if page_proj[h, pg, s] < qp:
-                left = c
-            c += 1
+                left = i
+            i += 1
         pg = page_next[h, pg]
     right = left + 1
     want = max(int(math.ceil(prop * c - 1e-9)), 1)
@@ -192,13 +168,45 @@ def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, p
             else:
                 i = left
                 left -= 1
-            n_touched, nc, lv = _score(h, qv, pos_pg[i], pos_sl[i], upper, page_keys, page_loc,
-                                       node_nleaf, best, touched, n_touched, cand_s, cand_v, nc)
-            leaves += lv
+            if upper:
+                leaves += node_nleaf[h, page_loc[h, pos_pg[i], pos_sl[i]] + 1]
             scored += 1
             take -= 1
         if scored >= want and scored >= need_scored and leaves >= need_leaves:
             break
+    return left + 1, right
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
+            page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
+            touched, n_touched, cand_s, cand_v, nc):
+    """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
+    index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= CLOSEST``
+    children is scored in full (the first chunk takes them all). Returns ``(n_touched, nc)``."""
+    c = 0
+    pg = node_first[h, node]
+    for _ in range(node_npages[h, node]):
+        c += page_valid[h, pg]
+        pg = page_next[h, pg]
+    if c == 0:
+        return n_touched, nc
+    lo, hi = 0, c
+    if c > CLOSEST:
+        lo, hi = _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj,
+                             page_loc, page_valid, page_next, node_first, node_npages, node_nleaf,
+                             pos_pg, pos_sl)
+    i = 0  # position of the first slot of page pg in the node's sorted child list
+    pg = node_first[h, node]
+    for _ in range(node_npages[h, node]):
+        v = page_valid[h, pg]
+        s0 = max(lo - i, 0)
+        s1 = min(hi - i, v)
+        if s0 < s1:
+            n_touched, nc = _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best,
+                                        touched, n_touched, cand_s, cand_v, nc)
+        i += v
+        pg = page_next[h, pg]
     return n_touched, nc
 
 
