@@ -68,33 +68,59 @@ def _anchor_candidates(anchor_parent: np.ndarray, window: int, n_upper: int, blo
     return cand[:, :, :width]
 
 
+@njit(cache=True, nogil=True)
+def _accept(parent, dist, complete, max_child, threshold):
+    """Sequential acceptance test of one super-block, in token order, per head (§3.2 step 3).
+
+    A point keeps its anchor-derived parent ``P`` if ``D <= threshold * maxchilddist(P)`` (always when
+    its candidates were every upper point); an accepted point raises ``maxchilddist(P)``. Returns the
+    rejected points ``[H, m]`` (they fall back to the exact search).
+    """
+    heads, m = parent.shape
+    rejected = np.zeros((heads, m), dtype=np.bool_)
+    for h in range(heads):
+        for i in range(m):
+            p = parent[h, i]
+            if complete[h] or dist[h, i] <= threshold * max_child[h, p]:
+                max_child[h, p] = max(max_child[h, p], dist[h, i])
+            else:
+                rejected[h, i] = True
+    return rejected
+
+
+def _best_upper(lifted: torch.Tensor, points: np.ndarray, up_t: torch.Tensor):
+    """Exact nearest upper point of ``points``: (position into the uppers, lifted similarity)."""
+    sim = torch.bmm(lifted[:, torch.from_numpy(points)], up_t)
+    return sim.max(-1)
+
+
 def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, uppers: np.ndarray,
                    cfg: DCIConfig) -> torch.Tensor:
     """Anchor shortcut for a large level 0 (§3.2 step 3); returns positions into ``uppers``, ``[H, n0]``.
 
-    Anchors (every ``anchor_interval``-th level-0 point in token order) get exact parents. Every other
-    point takes the closest ``P`` among the distinct parents of the anchors around it (``anchor_window``
-    on each side, pooled over a super-block of ``_SUPERBLOCK`` intervals so that one dense matmul
-    serves ~1000 points) and keeps it if ``D <= anchor_threshold * maxchilddist(P)``; otherwise it
-    falls back to the exact search. ``maxchilddist(P)`` is measured over ``P``'s anchor children and
-    the points accepted in a first pass (the official code updates it while children arrive).
-    Where a super-block's candidates are every upper point, ``P`` is the exact parent and is kept
-    (the fallback would find the same point).
+    Anchors (every ``anchor_interval``-th level-0 point in token order) get exact parents first. Every
+    other point takes the closest ``P`` among the distinct parents of the anchors around it
+    (``anchor_window`` on each side, pooled over a super-block of ``_SUPERBLOCK`` intervals so that
+    one dense matmul serves ~1000 points) and keeps it if ``D <= anchor_threshold * maxchilddist(P)``;
+    otherwise it falls back to the exact search. As in the official code, ``maxchilddist`` grows
+    with every child a node receives: the points are tested in token order (one super-block at a
+    time), accepted points update it at once, fallback points after their super-block's exact search.
+    Where a super-block's candidates are every upper point, ``P`` is the exact parent and is kept.
     """
     heads = lifted.shape[0]
     interval = cfg.anchor_interval
     anchors = level0[::interval]
-    anchor_par = exact_parents(lifted, anchors, uppers)  # [H, nA]
-    up = lifted[:, torch.from_numpy(uppers)]  # [H, nu, d+1]
-    cand = torch.from_numpy(_anchor_candidates(anchor_par.numpy(), cfg.anchor_window, len(uppers),
-                                               _SUPERBLOCK))  # [H, n_super, C]
+    up_t = lifted[:, torch.from_numpy(uppers)].transpose(1, 2).contiguous()  # [H, d+1, nu]
+    anchor_sim, anchor_par = _best_upper(lifted, anchors, up_t)  # [H, nA]
+    cand_np = _anchor_candidates(anchor_par.numpy(), cfg.anchor_window, len(uppers), _SUPERBLOCK)
+    cand = torch.from_numpy(cand_np)  # [H, n_super, C]
     n_super, width = cand.shape[1], cand.shape[2]
     span = interval * _SUPERBLOCK
     n0 = len(level0)
     pad = n_super * span - n0
     pts = lifted[:, torch.from_numpy(np.concatenate([level0, np.full(pad, level0[-1])]))]
     pts = pts.view(heads * n_super, span, -1)
-    cand_keys = up[torch.arange(heads)[:, None, None], cand.clamp_min(0)]  # [H, n_super, C, d+1]
+    cand_keys = up_t.transpose(1, 2)[torch.arange(heads)[:, None, None], cand.clamp_min(0)]
     cand_keys = cand_keys.view(heads * n_super, width, -1).transpose(1, 2)
     invalid = (cand < 0).view(heads * n_super, 1, width)
     best_sim = torch.empty(heads * n_super, span)
@@ -104,19 +130,27 @@ def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, u
         sim = torch.bmm(pts[b:b + step], cand_keys[b:b + step])
         sim.masked_fill_(invalid[b:b + step], float("-inf"))
         torch.max(sim, -1, out=(best_sim[b:b + step], arg[b:b + step]))
-    result = cand.view(heads * n_super, width).gather(1, arg).view(heads, -1)[:, :n0]
-    dist = (m2[:, None] - best_sim.view(heads, -1))[:, :n0]
-    complete = ((cand >= 0).sum(-1) == len(uppers)).repeat_interleave(span, 1)[:, :n0]  # [H, n0]
-    is_anchor = torch.zeros(n0, dtype=torch.bool)
-    is_anchor[::interval] = True
-    max_child = torch.full((heads, len(uppers)), float("-inf"))
-    max_child.scatter_reduce_(1, result[:, is_anchor], dist[:, is_anchor], reduce="amax")
-    for _ in range(2):  # second pass: maxchilddist grown by the points accepted in the first
-        ok = complete | (dist <= cfg.anchor_threshold * max_child.gather(1, result))
-        max_child.scatter_reduce_(1, result, dist.masked_fill(~ok, float("-inf")), reduce="amax")
-    redo = np.flatnonzero((~ok).any(0).numpy())
-    if redo.size:
-        result[:, torch.from_numpy(redo)] = exact_parents(lifted, level0[redo], uppers)
+    result = cand.view(heads * n_super, width).gather(1, arg).view(heads, -1)[:, :n0].contiguous()
+    dist = (m2[:, None] - best_sim.view(heads, -1)[:, :n0]).contiguous()
+    complete = ((cand >= 0).sum(-1) == len(uppers)).numpy()  # [H, n_super]
+    res_np, dist_np, m2_np = result.numpy(), dist.numpy(), m2.numpy()
+    max_child = np.full((heads, len(uppers)), -np.inf, dtype=np.float32)
+    anchor_d = m2_np[:, None] - anchor_sim.numpy()
+    np.maximum.at(max_child, (np.arange(heads)[:, None], anchor_par.numpy()), anchor_d)
+    rows = np.arange(heads)[:, None]
+    for b in range(n_super):
+        sl = slice(b * span, min((b + 1) * span, n0))
+        rejected = _accept(res_np[:, sl], dist_np[:, sl], complete[:, b], max_child,
+                           np.float32(cfg.anchor_threshold))
+        redo = np.flatnonzero(rejected.any(0))
+        if redo.size == 0:
+            continue
+        sim, pos = _best_upper(lifted, level0[sl][redo], up_t)
+        use = rejected[:, redo]
+        block = res_np[:, sl]
+        block[:, redo] = np.where(use, pos.numpy(), block[:, redo])
+        np.maximum.at(max_child, (np.broadcast_to(rows, use.shape)[use], pos.numpy()[use]),
+                      (m2_np[:, None] - sim.numpy())[use])
     return result
 
 
