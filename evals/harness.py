@@ -185,6 +185,7 @@ def summarize_timing(rows: list[dict], model) -> dict:
         "breakdown": {k: v / n_tok for k, v in breakdown.items()} if n_tok else {},
         "effective_tokens_per_layer": effective,
         "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
+        "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
         "peak_memory_bytes": peak_memory_bytes(),
         "environment": environment(model),
     }

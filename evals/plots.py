@@ -47,6 +47,14 @@ def _budget_text(budget) -> str:
     return "none" if pd.isna(budget) else f"{float(budget):g}"
 
 
+def _log2_ticks(ax, values) -> None:
+    """A log2 x axis labelled with the values themselves (budgets, lengths) instead of powers of two."""
+    ticks = sorted({float(v) for v in values if pd.notna(v)})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+
+
 def _save(fig, out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +83,7 @@ def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
             ax.axhline(runs["score"].mean(), ls="--", color=method_color(cache), label="full cache")
         else:
             ax.plot(runs["budget"], runs["score"], marker="o", color=method_color(cache), label=cache)
-    ax.set_xscale("log", base=2)
+    _log2_ticks(ax, frame.loc[frame["cache"] != "full", "budget"])
     ax.set_xlabel("KV budget (past tokens per head per layer)")
     ax.set_ylabel("score (0-100)")
     ax.set_ylim(-3, 103)
@@ -146,7 +154,7 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
         label = run_label({"cache": cache, "budget": budget})
         ax.plot(runs["length"], 1000 * runs["tpot_s"], color=method_color(cache), label=label,
                 marker=markers[budgets.index(_budget_text(budget)) % len(markers)])
-    ax.set_xscale("log", base=2)
+    _log2_ticks(ax, table["length"])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode latency per token, TPOT (ms)")
     ax.set_title(title or "Decode latency vs context length")
@@ -187,30 +195,34 @@ def passkey_heatmap(runs: dict[str, pd.DataFrame], out: Path, title: str = "") -
     return out
 
 
-def make_all(results_dir: str | Path) -> list[Path]:
-    """Writes summary.csv and every figure that the complete runs under ``results_dir`` support."""
-    results_dir = Path(results_dir)
-    summary = pd.read_csv(write_summary(results_dir))
-    if summary.empty:
-        return []
-    frame = summary[summary["status"] == "complete"]
-    figures, out = [], results_dir / "figures"
+def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """Draws every figure the complete runs of a summary table support into ``out_dir``."""
+    frame = summary[summary["status"] == "complete"] if len(summary) else summary
+    paths, out = [], Path(out_dir)
     for (ev, model), runs in frame.groupby(["eval", "model"]):
         tag = f"{ev}_{model}"
         if ev not in NOT_ACCURACY and (runs["cache"] != "full").any():
-            figures.append(accuracy_vs_budget(runs, out / f"accuracy_vs_budget_{tag}.png",
-                                              f"{ev}: score vs KV budget ({model})"))
-        figures.append(latency_scatter(runs, out / f"latency_scatter_{tag}.png",
-                                       f"{ev}: TT2T vs TPOT, labels budget: score ({model})"))
-        figures.append(tpot_breakdown(runs, out / f"tpot_breakdown_{tag}.png", f"{ev}: TPOT breakdown ({model})"))
+            paths.append(accuracy_vs_budget(runs, out / f"accuracy_vs_budget_{tag}.png",
+                                            f"{ev}: score vs KV budget ({model})"))
+        paths.append(latency_scatter(runs, out / f"latency_scatter_{tag}.png",
+                                     f"{ev}: TT2T vs TPOT, labels budget: score ({model})"))
+        paths.append(tpot_breakdown(runs, out / f"tpot_breakdown_{tag}.png", f"{ev}: TPOT breakdown ({model})"))
         if ev == "latency":
-            figures.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
-                                                    f"Decode latency vs context length ({model})"))
+            paths.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
+                                                  f"Decode latency vs context length ({model})"))
         if ev == "passkey":
             cells = {run_label(row): passkey_cells(row["run_dir"]) for _, row in _sorted_runs(runs).iterrows()}
-            figures.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
-                                           f"Passkey accuracy by length and depth ({model})"))
-    return figures
+            paths.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
+                                         f"Passkey accuracy by length and depth ({model})"))
+    return paths
+
+
+def make_all(results_dir: str | Path) -> list[Path]:
+    """Writes ``<results_dir>/summary.csv`` and every figure into ``<results_dir>/figures``."""
+    results_dir = Path(results_dir)
+    if not any(results_dir.rglob("config_hash")):
+        raise FileNotFoundError(f"no run directories under {results_dir} (run `python run.py ...` first)")
+    return figures(pd.read_csv(write_summary(results_dir)), results_dir / "figures")
 
 
 def passkey_accuracy_by_length(frame: pd.DataFrame, out: Path) -> Path:

@@ -39,11 +39,13 @@ class Generation:
     breakdown_s: dict[str, float] = field(default_factory=dict)  # summed over the same steps
     effective_tokens: list[float | None] = field(default_factory=list)
     max_resident_tokens: int = 0
+    transfer_bytes: int = 0  # bytes moved from offload stores over tokens 3..N
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
                 "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
-                "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens}
+                "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens,
+                "transfer_bytes": self.transfer_bytes}
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -83,9 +85,9 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             cache.end_step()
         token = pick(logits, 0)
         stamps, out, breakdown = [_now(device)], [token], {p: 0.0 for p in (*PHASES, "other")}
-        max_resident = cache.max_budgeted_resident()
+        max_resident, moved = cache.max_budgeted_resident(), 0
         while len(out) < max_new_tokens and token not in eos and not _hits_stop(tokenizer, out, stop):
-            step_start = _now(device)
+            step_start, bytes_before = _now(device), cache.bytes_moved()
             cache.begin_step()
             logits = model(torch.tensor([[token]], device=device), use_cache=True, **kw).logits
             phases = cache.end_step()
@@ -97,6 +99,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
                 for p in PHASES:
                     breakdown[p] += phases.get(p, 0.0)
                 breakdown["other"] += (stamps[-1] - step_start) - sum(phases.values())
+                moved += cache.bytes_moved() - bytes_before
         if out[-1] in eos:
             out = out[:-1]
         text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
@@ -104,7 +107,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             token_ids=out, text=_cut_at_stop(text, stop), n_prompt_tokens=len(prompt_ids) + len(decode_ids),
             ttft_s=stamps[0] - start, tt2t_s=stamps[1] - start if len(stamps) > 1 else None,
             intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
-            effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident)
+            effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved)
     finally:
         cache.close()
 

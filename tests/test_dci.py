@@ -99,14 +99,114 @@ def test_parents_are_nearest_upper_points_under_D():
         assert torch.allclose(got, best, atol=1e-4)
 
 
-def test_anchor_shortcut_mostly_matches_exact_parents():
+def _parent_distance(index: MDCIIndex, keys: torch.Tensor) -> torch.Tensor:
+    """``D`` between every level-0 token and its parent, ``[H, n0]``."""
+    level = index.level[: index.n]
+    pts = np.flatnonzero(level == 0)
+    parents = index.token_parent[:, pts]  # local ids
+    m2 = index.max_sq_norm
+    d = [key_key_distance(keys[h:h + 1, pts], keys[h:h + 1, parents[h]], m2[h:h + 1])[0].diagonal()
+         for h in range(keys.shape[0])]
+    return torch.stack(d)
+
+
+def test_anchor_shortcut_is_close_to_exact_parents():
     keys = _keys(2, 6000)
     cfg = DCIConfig(exact_parent_threshold=1000)
     fast = MDCIIndex.build(keys, torch.arange(6000), cfg)
     exact = MDCIIndex.build(keys, torch.arange(6000), DCIConfig(exact_parent_threshold=1000, use_anchors=False))
     check_invariants(fast)
     agree = (fast.token_parent == exact.token_parent).float().mean()
-    assert agree > 0.9
+    assert agree > 0.8
+    # a wrong parent is accepted only when it is nearly as close as the true one
+    ratio = _parent_distance(fast, keys) / _parent_distance(exact, keys)
+    assert (ratio >= 1 - 1e-4).all() and ratio.mean() < 1.02
+
+
+def test_anchor_shortcut_with_complete_candidates_is_exact():
+    # ~15 upper points, dense anchors and a window over all of them: the anchors have every upper
+    # point as a parent, so the candidates are complete and the result is exact (no threshold test)
+    keys = _keys(2, 3000)
+    cfg = DCIConfig(exact_parent_threshold=1000, ratio_1=0.005, anchor_interval=2, anchor_window=10000)
+    fast = MDCIIndex.build(keys, torch.arange(3000), cfg)
+    exact = MDCIIndex.build(keys, torch.arange(3000), DCIConfig(exact_parent_threshold=1000, ratio_1=0.005,
+                                                                use_anchors=False))
+    level0 = np.flatnonzero(exact.level[:3000] == 0)
+    anchor_parents = exact.token_parent[:, level0[::2]]
+    assert all(len(set(p.tolist())) == exact.level_sizes[1] for p in anchor_parents)  # premise
+    assert torch.equal(fast.token_parent, exact.token_parent)
+
+
+def _visited_run(proj: np.ndarray, qp: float, prop: float, chunk: int, need: int) -> tuple[int, int]:
+    """Reference of the C code's visiting order in one node (``dci_next_closest_proj`` chunks)."""
+    c = len(proj)
+    left = int(np.searchsorted(proj, qp, side="left")) - 1
+    right, scored, want = left + 1, 0, max(int(np.ceil(prop * c - 1e-9)), 1)
+    while left >= 0 or right < c:
+        if left < 0 or (right < c and proj[right] - qp < qp - proj[left]):
+            from_right = True
+        else:
+            from_right = False
+        for _ in range(chunk):
+            if left < 0 and right >= c:
+                break
+            if (from_right and right < c) or left < 0:
+                right += 1
+            else:
+                left -= 1
+            scored += 1
+        if scored >= want and scored >= need:
+            break
+    return left + 1, right
+
+
+@pytest.mark.parametrize("chunk,prop", [(128, 0.8), (1, 0.8), (128, 0.3), (50, 0.5)])
+def test_single_node_search_visits_chunks_around_the_query(chunk, prop):
+    # one level (no promotion below 1000 tokens): the root's 600 children are one node
+    n = 600
+    keys = _keys(1, n, seed=4)
+    cfg = DCIConfig(ratio_1=0.001, prop_to_retrieve=prop, visit_chunk=chunk)
+    index = MDCIIndex.build(keys, torch.arange(n), cfg)
+    assert index.level_sizes == [n]
+    chain, pg = [], index.node_first[0, 0]
+    while pg >= 0:
+        chain.append(pg)
+        pg = index.page_next[0, pg]
+    proj = np.concatenate([index.page_proj[0, p, : index.page_valid_np[0, p]] for p in chain])
+    tokens = np.concatenate([index.page_abs[0, p, : index.page_valid_np[0, p]] for p in chain])
+    pages = np.concatenate([np.full(index.page_valid_np[0, p], p) for p in chain])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        q = torch.randn(1, D, generator=gen)
+        qp = float((index.u[:D] @ (q[0] / q[0].norm()).numpy()))
+        lo, hi = _visited_run(proj, qp, prop, chunk, need=4)
+        score = (keys[0, tokens[lo:hi]] @ q[0]).numpy()
+        best = {}
+        for p, s_ in zip(pages[lo:hi], score):
+            best[p] = max(best.get(p, -np.inf), s_)
+        expect = sorted(best, key=lambda p: -best[p])[:4]
+        assert index.search(q, 4)[0].tolist() == expect
+    if chunk == 128 and prop == 0.8:
+        assert hi - lo == 512  # ceil(0.8 * 600) = 480 -> four chunks of 128
+
+
+def test_small_nodes_are_scored_in_full_by_default():
+    # every node has <= 128 children: with the default chunk the result is the exact best pages of
+    # the expanded nodes, even with a small prop_to_retrieve; with visit_chunk=1 it is not
+    n = 100
+    keys = _keys(1, n, seed=6)
+    full = MDCIIndex.build(keys, torch.arange(n), DCIConfig(prop_to_retrieve=0.2))
+    assert full.level_sizes == [n]
+    q = torch.randn(20, D, generator=torch.Generator().manual_seed(7))
+    top = (q @ keys[0].T).argmax(-1)
+    one = MDCIIndex.build(keys, torch.arange(n), DCIConfig(prop_to_retrieve=0.2, visit_chunk=1))
+    hits_full = hits_one = 0
+    for i in range(20):
+        page = full.search(q[i:i + 1], 1)[0, 0]
+        hits_full += int(top[i]) in full.page_table[0, page].tolist()
+        page = one.search(q[i:i + 1], 1)[0, 0]
+        hits_one += int(top[i]) in one.page_table[0, page].tolist()
+    assert hits_full == 20 and hits_one < 20
 
 
 def test_planted_clusters_are_retrieved():

@@ -312,8 +312,7 @@ def _smollm2_or_skip():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache", ["icecache", "icecache_reuse"])
-def test_smollm2_passkey_2k_budget_256_matches_full(tmp_path, cache):
+def test_smollm2_passkey_2k_budget_256_matches_full(tmp_path, cache="icecache"):
     """Passkey at 2k tokens, depth 0.5, question fed through the decode path (2 + 12 + 2 pages)."""
     from evals.harness import run_eval
     _smollm2_or_skip()
@@ -325,8 +324,8 @@ def test_smollm2_passkey_2k_budget_256_matches_full(tmp_path, cache):
 @pytest.mark.slow
 def test_smollm2_passkey_2k_budget_64_stays_within_budget(tmp_path):
     """Budget 64 = 1 sink + 1 retrieved + 2 window pages, end to end through run_eval with the
-    per-step resident assertions on. Accuracy is not asserted: at 64 even the exact top-k oracle misses
-    this pass key on SmolLM2 (measured; see the method's report)."""
+    per-step resident assertions on. Accuracy is not asserted: at 64, IceCache (even with an exhaustive
+    index search), the exact top-k oracle and Quest all miss this pass key on SmolLM2 (measured)."""
     from evals.harness import run_eval
     _smollm2_or_skip()
     run = run_eval(_passkey_cfg("icecache", 64, tmp_path))

@@ -22,11 +22,16 @@ pages and the pages (or tokens) a selector retrieves for its KV head.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import math
+import os
 import platform
+import sys
 import time
 
+import numba
 import numpy as np
 import torch
 
@@ -78,45 +83,53 @@ def tile(keys: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- timing
 
-def _best_ms(fn, repeats: int) -> float:
-    best = float("inf")
+def _paired_median_ms(fns: dict, repeats: int) -> dict:
+    """Median wall and CPU (all threads of the process) times of several functions, timed in
+    alternation so that each sees the same machine load: ``{name: (wall_ms, cpu_ms)}``.
+
+    On a shared machine the wall time of a call includes the time other processes hold the cores;
+    the CPU time does not (it counts the work of the call, on every thread, spin-waits included).
+    """
+    for fn in fns.values():
+        fn()
+    times = {name: ([], []) for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        for name, fn in fns.items():
+            start, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name][0].append(time.perf_counter() - start)
+            times[name][1].append(time.process_time() - cpu)
+    return {name: (float(np.median(w)) * 1e3, float(np.median(c)) * 1e3) for name, (w, c) in times.items()}
 
 
-def _mean_ms(fn, calls: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
+def brute_force(keys: torch.Tensor, queries: torch.Tensor, k_tokens: int) -> torch.Tensor:
+    """Exact top-``k_tokens`` of ``q.k`` per query head in the keys' dtype (GQA: q-head i -> KV head
+    i // r)."""
+    heads = keys.shape[0]
+    q = queries.to(keys.dtype).view(heads, -1, queries.shape[-1])
+    return torch.bmm(q, keys.transpose(1, 2)).topk(k_tokens, dim=-1).indices
 
 
-def brute_force(keys_bf16: torch.Tensor, queries: torch.Tensor, k_tokens: int) -> torch.Tensor:
-    """Exact top-``k_tokens`` of ``q.k`` per query head in torch bf16 (GQA: q-head i -> KV head i//r)."""
-    heads = keys_bf16.shape[0]
-    q = queries.bfloat16().view(heads, -1, queries.shape[-1])
-    return torch.bmm(q, keys_bf16.transpose(1, 2)).topk(k_tokens, dim=-1).indices
+def time_sizes(keys: torch.Tensor, queries: torch.Tensor, sizes, cfg: DCIConfig,
+               repeats: int = 200) -> dict:
+    """Build / query / insert time of the index and brute-force query time at each size (medians).
 
-
-def time_sizes(keys: torch.Tensor, queries: torch.Tensor, sizes, cfg: DCIConfig) -> dict:
-    """Build / query / insert time of the index and brute-force query time at each size."""
+    Query and brute force (bf16, as the authors' reference, and fp32) are timed in alternation, so
+    their ratio holds under a varying machine load.
+    """
     out = {}
     for n in sizes:
         big = tile(keys, n)
         ids = torch.arange(n)
-        repeats = 3 if n <= 32768 else 1
-        build_ms = _best_ms(lambda: MDCIIndex.build(big, ids, cfg), repeats)
-        index = MDCIIndex.build(big, ids, cfg)
+        big32 = big.float().contiguous()
+        q = [queries[s] for s in range(len(queries))]
         step = iter(range(10**9))
-
-        def query():
-            index.search(queries[next(step) % len(queries)], K_TIMING)
-
-        query_ms = _mean_ms(query, 100)
+        build = _paired_median_ms({
+            "build": lambda: MDCIIndex.build(big, ids, cfg),
+            "brute_bf16": lambda: brute_force(big, q[next(step) % len(q)], PAGE * K_TIMING),
+            "brute_fp32": lambda: brute_force(big32, q[next(step) % len(q)], PAGE * K_TIMING),
+        }, 7 if n <= 32768 else 3)
+        index = MDCIIndex.build(big, ids, cfg)
         new = [tile(keys, 16, seed=s + 1) for s in range(8)]
         count = iter(range(10**9))
 
@@ -124,15 +137,26 @@ def time_sizes(keys: torch.Tensor, queries: torch.Tensor, sizes, cfg: DCIConfig)
             c = next(count)
             index.insert(new[c % len(new)], torch.arange(n + 16 * c, n + 16 * c + 16))
 
-        insert_ms = _mean_ms(insert, 50)
-        bf = big.contiguous()
-        brute_ms = _mean_ms(lambda: brute_force(bf, queries[next(step) % len(queries)],
-                                                PAGE * K_TIMING), 30)
-        out[str(n)] = {"icecache": {"build_ms": build_ms, "query_ms": query_ms,
-                                    "insert_ms": insert_ms},
-                       "brute_force": {"query_ms": brute_ms}}
-        print(f"  {n:>7} keys/head: build {build_ms:8.2f} ms | query {query_ms:6.3f} ms "
-              f"(brute force {brute_ms:6.3f} ms) | insert 16 {insert_ms:6.3f} ms", flush=True)
+        times = _paired_median_ms({
+            "query": lambda: index.search(q[next(step) % len(q)], K_TIMING),
+            "brute_bf16": lambda: brute_force(big, q[next(step) % len(q)], PAGE * K_TIMING),
+            "brute_fp32": lambda: brute_force(big32, q[next(step) % len(q)], PAGE * K_TIMING),
+        }, repeats)
+        times["insert"] = _paired_median_ms({"insert": insert}, 100)["insert"]
+        times["build"] = build["build"]
+        brute = min(times["brute_bf16"][0], times["brute_fp32"][0])
+        brute_cpu = min(times["brute_bf16"][1], times["brute_fp32"][1])
+        row = {name: {"wall_ms": w, "cpu_ms": c} for name, (w, c) in times.items()}
+        row["query_over_brute_wall"] = times["query"][0] / brute
+        row["query_over_brute_cpu"] = times["query"][1] / brute_cpu
+        row["build_over_brute_wall"] = times["build"][0] / min(build["brute_bf16"][0], build["brute_fp32"][0])
+        out[str(n)] = row
+        print(f"  {n:>7} keys/head, wall (cpu) ms: build {times['build'][0]:8.2f} ({times['build'][1]:8.2f}) | "
+              f"query {times['query'][0]:6.3f} ({times['query'][1]:6.3f}) | brute bf16 "
+              f"{times['brute_bf16'][0]:6.3f} ({times['brute_bf16'][1]:6.3f}) fp32 {times['brute_fp32'][0]:6.3f} "
+              f"({times['brute_fp32'][1]:6.3f}) | query/brute {row['query_over_brute_wall']:.2f} "
+              f"({row['query_over_brute_cpu']:.2f}) | insert 16 {times['insert'][0]:6.3f} "
+              f"({times['insert'][1]:6.3f})", flush=True)
     return out
 
 
@@ -155,9 +179,22 @@ def _mask_from_pages(n: int, heads: int, pages: torch.Tensor, table: torch.Tenso
     return mask
 
 
-def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, index: MDCIIndex,
+def _page_mass_topk(mass: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+    """Per KV head, the ``k`` pages of ``table`` (``[P, S]`` shared or ``[H, P, S]``) of largest mass."""
+    if table.dim() == 2:
+        table = table.expand(mass.shape[0], -1, -1)
+    gathered = torch.gather(mass, 1, table.clamp_min(0).flatten(1)).view(table.shape)
+    page_mass = torch.where(table >= 0, gathered, 0.0).sum(-1)
+    return page_mass.topk(min(k, table.shape[1]), -1).indices
+
+
+def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, indexes: dict,
                    n_s: int, n_w: int, k: int) -> dict:
-    """Attended-token masks ``[H_kv, n]`` of every selector at one decode step."""
+    """Attended-token masks ``[H_kv, n]`` of every selector at one decode step.
+
+    ``indexes`` maps a selector name to an :class:`MDCIIndex` over the tokens between the sink and
+    the window (searched per query head, then GQA-merged, as IceCache does).
+    """
     heads, n, _ = keys.shape
     group = q.shape[0] // heads
     lo, hi = n_s * PAGE, n - n_w * PAGE
@@ -165,13 +202,16 @@ def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, ind
     base[:, :lo] = True
     base[:, hi:] = True
     masks = {}
-    pages = merge_gqa(index.search(q, k, n_seq=n), group, k)
-    masks["icecache"] = base | _mask_from_pages(n, heads, pages, index.page_table)
+    mass = probs.view(heads, group, n).sum(1)  # attention of the group, per KV head
+    for name, index in indexes.items():
+        pages = merge_gqa(index.search(q, k, n_seq=n), group, k)
+        masks[name] = base | _mask_from_pages(n, heads, pages, index.page_table)
+    first = next(iter(indexes.values()))
+    leaves = _page_mass_topk(mass, first.page_table, k)
+    masks["oracle_dci_leaves"] = base | _mask_from_pages(n, heads, leaves, first.page_table)
 
     order = _order_pages(n, lo, hi)  # [P, S]
-    mass = probs.view(heads, group, n).sum(1)  # attention of the group, per KV head
-    page_mass = torch.where(order >= 0, mass[:, order.clamp_min(0)], 0.0).sum(-1)  # [H, P]
-    masks["oracle_pages"] = base | _mask_from_pages(n, heads, page_mass.topk(min(k, len(order))).indices, order)
+    masks["oracle_pages"] = base | _mask_from_pages(n, heads, _page_mass_topk(mass, order, k), order)
 
     mid = mass[:, lo:hi].topk(min(k * PAGE, hi - lo)).indices + lo
     tok_mask = torch.zeros(heads, n, dtype=torch.bool)
@@ -195,21 +235,31 @@ def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, ind
     return masks
 
 
+def variants(index: MDCIIndex) -> dict:
+    """The default index and the first port's visiting rule (``visit_chunk=1``: exactly
+    ``ceil(0.8 c)`` children per expanded node) over the same tree."""
+    chunk1 = copy.copy(index)
+    chunk1.cfg = dataclasses.replace(index.cfg, visit_chunk=1)
+    return {"icecache": index, "icecache_chunk1": chunk1}
+
+
 def recall(data: dict, budgets, cfg: DCIConfig) -> dict:
     """Attention-mass recall per budget and selector over every layer, step and query head."""
     values: dict[int, dict[str, list]] = {b: {} for b in budgets}
     for keys, queries in zip(data["keys"], data["queries"]):
         heads, n, dim = keys.shape
         k64 = keys.double()
+        built = {}
         for b in budgets:
             n_s, n_w, k = BUDGETS[b]
             lo, hi = n_s * PAGE, n - n_w * PAGE
-            index = MDCIIndex.build(keys[:, lo:hi], torch.arange(lo, hi), cfg)
+            if (lo, hi) not in built:
+                built[lo, hi] = variants(MDCIIndex.build(keys[:, lo:hi], torch.arange(lo, hi), cfg))
             for q in queries:
                 group = q.shape[0] // heads
                 logits = torch.einsum("hrd,hnd->hrn", q.double().view(heads, group, dim), k64)
                 probs = (logits / math.sqrt(dim)).softmax(-1).reshape(heads * group, n)
-                masks = selector_masks(keys, q, probs, index, n_s, n_w, k)
+                masks = selector_masks(keys, q, probs, built[lo, hi], n_s, n_w, k)
                 for name, mask in masks.items():
                     per_q = (probs * mask.repeat_interleave(group, 0)).sum(-1)
                     values[b].setdefault(name, []).extend(per_q.tolist())
@@ -227,35 +277,55 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": "bfloat16 keys, fp32 index",
+    return {"threads": torch.get_num_threads(), "numba_threads": numba.get_num_threads(),
+            "torch": torch.__version__, "load_avg": os.getloadavg(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "dtype": "bfloat16 keys, fp32 index",
             "cpu": cpu, "python": platform.python_version()}
 
 
+def _ensure_passive_omp(argv) -> None:
+    """Re-run under ``OMP_WAIT_POLICY=PASSIVE`` unless set: torch and numba each keep an OpenMP pool
+    whose idle threads spin, and on a shared machine the spinning pools starve each other (build and
+    query times x10-x15 at a load of ~15 on 2 cores). The policy is read when OpenMP starts, i.e.
+    before torch is imported, hence the re-exec."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, "-m", "icecache.bench.index", *argv])
+
+
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    _ensure_passive_omp(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keys", default=None, help="captured .pt file (see module docstring)")
     parser.add_argument("--out", default="bench_index.json")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--budgets", default="64,128,256,512")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layer", type=int, default=0, help="entry of the file used for timing")
+    parser.add_argument("--repeats", type=int, default=200, help="timed query calls per size")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     data = load(args.keys)
     cfg = DCIConfig()
     src = "SYNTHETIC clustered keys (no --keys file given)" if data["synthetic"] else f"captured keys {args.keys}"
-    keys0, queries0 = data["keys"][0], data["queries"][0]
+    keys0, queries0 = data["keys"][args.layer], data["queries"][args.layer]
     print(f"M-DCI index benchmark on {src}: {len(data['keys'])} layer(s), "
           f"H_kv={keys0.shape[0]}, H_q={queries0.shape[1]}, d={keys0.shape[2]}, n={keys0.shape[1]}")
     print(f"timing per layer (K={K_TIMING} pages), {args.threads} threads:")
-    sizes = time_sizes(keys0, queries0, [int(s) for s in args.sizes.split(",")], cfg)
+    sizes = {}
+    if args.sizes:
+        sizes = time_sizes(keys0, queries0, [int(s) for s in args.sizes.split(",")], cfg, args.repeats)
     budgets = [int(b) for b in args.budgets.split(",")]
     rec = recall(data, budgets, cfg)
     names = list(next(iter(rec.values())).keys())
-    print("mean recall (p10) by budget:")
-    print(f"  {'selector':<15}" + "".join(f"{b:>16}" for b in budgets))
+    print("recall: median / p10 (mean) by budget:")
+    print(f"  {'selector':<18}" + "".join(f"{b:>22}" for b in budgets))
     for name in names:
-        print(f"  {name:<15}" + "".join(
-            f"{rec[str(b)][name]['mean']:>9.3f} ({rec[str(b)][name]['p10']:.3f})" for b in budgets))
+        print(f"  {name:<18}" + "".join(
+            f"{rec[str(b)][name]['p50']:>9.3f} / {rec[str(b)][name]['p10']:.3f} ({rec[str(b)][name]['mean']:.3f})"
+            for b in budgets))
     result = {"source": src, "sizes": sizes, "recall": rec, "machine": machine()}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -8,7 +8,7 @@ one tree node, sorted by their projection on one random direction and cut into p
 API::
 
     cfg = DCIConfig(page_size=16, ratio_1=0.01, ratio_2=0.2, promotion="deterministic",
-                    search_ratio=1.5e-3, min_fov=30, prop_to_retrieve=0.8,
+                    search_ratio=1.5e-3, min_fov=30, prop_to_retrieve=0.8, visit_chunk=128,
                     exact_parent_threshold=3000, seed=0)          # + anchor_* knobs, see config.py
     index = MDCIIndex.build(keys, token_ids, cfg)   # keys [H_kv, n, d] post-RoPE (bf16 ok, fp32
                                                     # inside); token_ids LongTensor [n] = absolute
@@ -35,25 +35,45 @@ Algorithm (what the official C code does, §3): the keys are lifted to ``T_K(k) 
 the positional rule (``levels.py``); every point's parent is its nearest point one level up under
 ``D`` (``parents.py``); every node's children form its pages (``_kernels.bulk_load``); a query
 descends from the virtual root keeping ``max(floor(n*search_ratio), min_fov)`` nodes per level and
-scores ``prop_to_retrieve`` of each expanded node's children exactly (``_kernels.search``); new
-tokens join their nearest level-1 node, full pages split in half (``_kernels.insert``).
+scores the children of each expanded node exactly, visited as the C code does (``_kernels.search``,
+below); new tokens join their nearest level-1 node, full pages split in half (``_kernels.insert``).
+
+Visiting the children of an expanded node (``dci_query_single_point_single_level`` with one simple
+index and ``dci_next_closest_proj``, CLOSEST = 128): from the position of ``p(q)`` in the node's
+sorted child list, chunks of up to 128 children are taken from the side whose next child is closer
+in projection (topped up from the other side when one side runs out); every child of a chunk is
+scored; the walk stops after a chunk once ``ceil(prop_to_retrieve * c)`` children, ``num_neighbours``
+children (``fov`` above level 0, ``K`` at level 0) and, above level 0, ``K`` level-0 pages below them
+are scored. So a node with ``c <= 128`` children -- nearly every node with the default ratios -- is
+scored in full, and ``prop_to_retrieve`` only matters for larger nodes. ``visit_chunk=1`` gives the
+first port's rule (exactly ``ceil(0.8 c)`` children); on the captured SmolLM2 keys it lowers the
+recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md.
+
+Threads: ``search`` runs in parallel over query heads (numba ``prange``; ``numba.set_num_threads``),
+``bulk_load`` over KV heads, the dense parent searches in torch (``torch.set_num_threads``). Both use
+OpenMP; on a machine shared with other processes set ``OMP_WAIT_POLICY=PASSIVE`` before torch is
+imported, or the spinning idle threads of the two pools starve each other (x10 and more).
 
 Differences from the C code, and why:
 
 - Batched layout instead of one B+-tree per node: a node's pages are a linked list of fixed
   16-slot blocks with keys stored contiguously (``[H, P, 16, d]`` fp32), so scoring a node is a dense
-  scan. The children ``closest in projection to p(q)`` are taken as one contiguous run of
-  ``ceil(prop * c)`` children around ``p(q)`` (shrinking from the farther end) rather than by the
-  C code's 128-entry chunk walk.
+  scan. The children visited by the chunk walk always form one contiguous run of the sorted list,
+  which is scored page by page.
 - Prefix rule: applied at every level whose nodes have children; at level 0 every scored token is a
   candidate and the result is the ``K`` pages with the best tokens (per-page max score), which is the
   "distinct pages in order of their best token" of §3.3 without materialising a sorted token list.
 - Parents: exact brute force (one dense matmul per chunk, batched over heads) whatever the upper
   level's size; the approximate top-down construction search used above ``exact_parent_threshold``
   upper points (n >~ 300k tokens with the defaults) is not implemented. The level-0 anchor shortcut
-  is implemented; anchors' candidate parents are pooled over super-blocks of 16 anchor intervals (a
-  superset of each point's own candidates) so that one matmul serves ~1000 points, and
-  ``maxchilddist`` is taken over anchors plus points accepted in a first pass.
+  is implemented: anchors get exact parents first; the other points' candidate parents (the distinct
+  parents of the anchors within ``anchor_window``) are pooled over super-blocks of 16 anchor
+  intervals (a superset of each point's own candidates) so that one matmul serves ~1000 points; the
+  acceptance test ``D <= 1.02 maxchilddist(P)`` runs in token order with ``maxchilddist`` growing with
+  every child a node receives (accepted points at once, fallback points after their super-block's
+  exact search), as in the C code's sequential insertion. A super-block whose candidates are every
+  upper point keeps ``P`` without the test (the fallback would return the same point).
+- Insert: the new tokens' parents are found with one matmul per head over the level-1 keys.
 - Norm correction (§2): the lazy per-node correction is kept (node ``M^2`` stored per node; a node
   receiving a token after ``M`` grew is re-projected, re-sorted and re-packed evenly into its
   existing pages). The C code re-bulk-loads the node (possibly fewer leaves); we keep its page ids so

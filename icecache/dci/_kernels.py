@@ -30,14 +30,14 @@ _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 
 # ----------------------------------------------------------------------------- bulk load (§3.2)
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def bulk_load(parent, proj, uk, keys, tok_abs, page_size, page_keys, page_uk, page_proj, page_loc,
               page_abs, page_valid, page_next, page_node, node_first, node_npages, tok_page,
               tok_slot, n_pages):
     """Cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages."""
     heads, n = parent.shape
     n_nodes = n + 1
-    for h in range(heads):
+    for h in prange(heads):  # heads own disjoint slices of every array
         count = np.zeros(n_nodes + 1, dtype=np.int64)
         for i in range(n):
             count[parent[h, i] + 1] += 1
@@ -99,9 +99,6 @@ def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
 
 # ----------------------------------------------------------------------------- query (§3.3)
 
-CLOSEST = 128  # the C code's chunk: children are visited in runs of up to 128 around p(q)
-
-
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_touched, cand_s,
                 cand_v, nc):
@@ -126,10 +123,11 @@ def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_
 
 
 @njit(cache=True, nogil=True)
-def _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj, page_loc,
+def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, page_proj, page_loc,
                 page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl):
     """The C code's visiting order inside one node (``dci_next_closest_proj``): from the position
-    of ``p(q)`` among the ``c`` children (sorted by projection), chunks of up to ``CLOSEST`` children,
+    of ``p(q)`` among the ``c`` children (sorted by projection), chunks of up to ``chunk`` children
+    (``CLOSEST`` = 128 in the C code),
     each from the side whose next child is closer to ``p(q)`` (topped up from the other side when
     that side runs out); stop after a chunk once at least ``ceil(prop * c)`` children, at least
     ``need_scored`` children and at least ``need_leaves`` level-0 pages below them are visited.
@@ -160,7 +158,7 @@ def _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj
         else:
             from_right = (page_proj[h, pos_pg[right], pos_sl[right]] - qp
                           < qp - page_proj[h, pos_pg[left], pos_sl[left]])
-        take = CLOSEST
+        take = chunk
         while take > 0 and (left >= 0 or right < c):
             if (from_right and right < c) or left < 0:
                 i = right
@@ -178,11 +176,11 @@ def _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
+def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
             page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
             touched, n_touched, cand_s, cand_v, nc):
     """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
-    index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= CLOSEST``
+    index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= chunk``
     children is scored in full (the first chunk takes them all). Returns ``(n_touched, nc)``."""
     c = 0
     pg = node_first[h, node]
@@ -192,8 +190,8 @@ def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, p
     if c == 0:
         return n_touched, nc
     lo, hi = 0, c
-    if c > CLOSEST:
-        lo, hi = _chunk_walk(h, node, c, qp, prop, need_scored, need_leaves, upper, page_proj,
+    if c > chunk:
+        lo, hi = _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, page_proj,
                              page_loc, page_valid, page_next, node_first, node_npages, node_nleaf,
                              pos_pg, pos_sl)
     i = 0  # position of the first slot of page pg in the node's sorted child list
@@ -211,7 +209,7 @@ def _expand(h, node, qv, qp, prop, need_scored, need_leaves, upper, page_keys, p
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _search_one(qv, qp, h, k_pages, fov, prop, top_level, n_pages_h, n_upper, max_children,
+def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
                 page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
                 node_nleaf, out_row):
     """Top-down search of one query head (see :func:`search`); writes ``out_row [K]``."""
@@ -232,7 +230,7 @@ def _search_one(qv, qp, h, k_pages, fov, prop, top_level, n_pages_h, n_upper, ma
         need_leaves = k_pages if upper else 0
         nc = 0
         for a in range(n_kept):
-            n_touched, nc = _expand(h, kept[a], qv, qp, prop, need_scored, need_leaves, upper,
+            n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, need_scored, need_leaves, upper,
                                     page_keys, page_proj, page_loc, page_valid, page_next,
                                     node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
                                     touched, n_touched, cand_s, cand_v, nc)
@@ -271,7 +269,7 @@ def _search_one(qv, qp, h, k_pages, fov, prop, top_level, n_pages_h, n_upper, ma
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def search(queries, u, group, k_pages, fov, prop, top_level, n_pages_h, n_upper, max_children,
+def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
            page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
            node_nleaf, out):
     """Top-down page search of every query head (§3.3), in parallel over query heads; writes
@@ -294,7 +292,7 @@ def search(queries, u, group, k_pages, fov, prop, top_level, n_pages_h, n_upper,
             norm += qv[j] * qv[j]
             qp += u[j] * qv[j]
         qp /= max(math.sqrt(norm), 1e-30)
-        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, top_level, n_pages_h[h], n_upper,
+        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, chunk, top_level, n_pages_h[h], n_upper,
                     max_children, page_keys, page_proj, page_loc, page_valid, page_next,
                     node_first, node_npages, node_nleaf, out[qh])
 

@@ -18,7 +18,11 @@ class DCIConfig:
         search_ratio: the query's field of view is ``max(floor(n * search_ratio), min_fov)`` (§3.3).
         min_fov: lower bound of the field of view (30, §3.3).
         prop_to_retrieve: share of an expanded node's children scored exactly, picked by projection
-            proximity to the query (0.8, §3.3).
+            proximity to the query (0.8, §3.3), in chunks of ``visit_chunk``.
+        visit_chunk: children are visited in runs of up to this many around ``p(q)`` (``CLOSEST`` =
+            128 in the C code's ``dci_next_closest_proj``): a node with at most 128 children is scored
+            in full, a larger one in multiples of 128 until ``prop_to_retrieve`` is reached. 1 gives
+            exactly ``ceil(prop_to_retrieve * c)`` children (the behaviour of the first port).
         exact_parent_threshold: parents are found by exact brute force while the upper level has at
             most this many points (``numa_threshold`` = 3000, §3.2).
         anchor_interval: every ``anchor_interval``-th level-0 point is an anchor (60, bf16 branch).
@@ -37,6 +41,7 @@ class DCIConfig:
     search_ratio: float = 1.5e-3
     min_fov: int = 30
     prop_to_retrieve: float = 0.8
+    visit_chunk: int = 128
     exact_parent_threshold: int = 3000
     anchor_interval: int = 60
     anchor_window: int = 60
@@ -51,6 +56,8 @@ class DCIConfig:
             raise ValueError("page_size must be >= 2 (a full page splits in half)")
         if not (0.0 < self.ratio_1 < 1.0 and 0.0 < self.ratio_2 < 1.0):
             raise ValueError("promotion ratios must lie in (0, 1)")
+        if self.visit_chunk < 1:
+            raise ValueError("visit_chunk must be >= 1")
         if not 0.0 < self.prop_to_retrieve <= 1.0:
             raise ValueError("prop_to_retrieve must lie in (0, 1]")
 

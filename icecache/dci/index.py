@@ -2,8 +2,9 @@
 
 See the package docstring (``icecache/dci/__init__.py``) for the API and for what differs from the
 official C code. Internal storage is numpy (shared zero-copy with the torch views this class
-returns); the irregular work runs in the numba kernels of ``_kernels.py``, the dense work (parent
-search at construction and insert) in torch.
+returns); the irregular work runs in the numba kernels of ``_kernels.py`` (the search in parallel
+over query heads), the dense work in BLAS matmuls: parent search at construction in torch (batched
+over heads), parent search at insert in numpy (one small matmul per head, no torch call overhead).
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class MDCIIndex:
         out = np.empty((n_q, k_pages), dtype=np.int64)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
+                        self.cfg.visit_chunk,
                         self.top_level, self.n_pages_h, self.n_upper, self._max_children,
                         self.page_keys, self.page_proj, self.page_loc, self.page_valid_np,
                         self.page_next, self.node_first, self.node_npages, self.node_nleaf, out)

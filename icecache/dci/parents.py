@@ -120,19 +120,18 @@ def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, u
     pad = n_super * span - n0
     pts = lifted[:, torch.from_numpy(np.concatenate([level0, np.full(pad, level0[-1])]))]
     pts = pts.view(heads * n_super, span, -1)
-    cand_keys = up_t.transpose(1, 2)[torch.arange(heads)[:, None, None], cand.clamp_min(0)]
+    complete = ((cand >= 0).sum(-1) == len(uppers)).numpy()  # [H, n_super]
+    cand = torch.where(cand >= 0, cand, cand[:, :, :1])  # pad with a repeat of the first candidate
+    cand_keys = up_t.transpose(1, 2)[torch.arange(heads)[:, None, None], cand]
     cand_keys = cand_keys.view(heads * n_super, width, -1).transpose(1, 2)
-    invalid = (cand < 0).view(heads * n_super, 1, width)
     best_sim = torch.empty(heads * n_super, span)
     arg = torch.empty(heads * n_super, span, dtype=torch.int64)
     step = max(1, _CHUNK_ELEMS // (span * width))
     for b in range(0, heads * n_super, step):
         sim = torch.bmm(pts[b:b + step], cand_keys[b:b + step])
-        sim.masked_fill_(invalid[b:b + step], float("-inf"))
         torch.max(sim, -1, out=(best_sim[b:b + step], arg[b:b + step]))
     result = cand.view(heads * n_super, width).gather(1, arg).view(heads, -1)[:, :n0].contiguous()
     dist = (m2[:, None] - best_sim.view(heads, -1)[:, :n0]).contiguous()
-    complete = ((cand >= 0).sum(-1) == len(uppers)).numpy()  # [H, n_super]
     res_np, dist_np, m2_np = result.numpy(), dist.numpy(), m2.numpy()
     max_child = np.full((heads, len(uppers)), -np.inf, dtype=np.float32)
     anchor_d = m2_np[:, None] - anchor_sim.numpy()

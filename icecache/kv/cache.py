@@ -113,6 +113,10 @@ class KVCache(compat.Cache):
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]
 
+    def bytes_moved(self) -> int:
+        """Bytes copied from offload stores into fast memory so far, over all layers."""
+        return sum(s.bytes_moved for s in self.states)
+
     def max_budgeted_resident(self) -> int:
         """The largest resident set (past tokens in fast memory) over the budgeted layers."""
         return max((self.method.resident_tokens(s) for s in self.states if self.method.is_budgeted(s.layer_idx)),

@@ -95,6 +95,7 @@ class LayerState:
         self.pos: torch.Tensor | None = None
         self.n_seen = 0  # logical length: tokens ever appended to this layer
         self.pending: concurrent.futures.Future | None = None
+        self.bytes_moved = 0  # bytes copied from an offload store into fast memory (methods count them)
         self.attended_sum = 0.0  # sum over decode steps of past tokens attended per head
         self.attended_steps = 0
 
