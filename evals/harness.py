@@ -10,6 +10,7 @@ import platform
 import resource
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def plan(cfg: dict) -> Plan:
         raise ConfigError(f"budget must be positive (tokens, or a fraction in (0, 1) of the prompt), got {budget}")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
-        make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
+        probe = make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
     except (TypeError, ValueError) as err:
         if isinstance(err, (BudgetError, UnknownNameError)):
             raise
@@ -88,6 +89,8 @@ def plan(cfg: dict) -> Plan:
     if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
         raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
                                 "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
+    if probe.budget is None:  # a method without a budget (full): one run directory whatever `budget` says
+        cfg = dict(cfg, budget=None)
     cfg = dict(cfg, results_dir=str(resolve_path(cfg.get("results_dir", "results"))),
                data_dir=None if data_dir is None else str(data_dir))
     return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
@@ -108,9 +111,12 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
         raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
     samples = list(suite.samples())
     run = results.RunDir(p.run_dir, p.cfg, config_yaml or yaml.safe_dump(p.cfg, sort_keys=False))
+    todo = [s for s in samples if s.id not in run.done_ids()]
+    finished = run.done_ids() == {s.id for s in samples}  # (a larger earlier `limit` re-aggregates)
+    if finished and (p.run_dir / "metrics.json").exists() and (p.run_dir / "timing.json").exists():
+        return p.run_dir  # finished earlier: nothing to load, nothing to overwrite
     model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
                        cfg.get("device", "cpu"), seed=cfg.get("seed", 0))
-    todo = [s for s in samples if s.id not in run.done_ids()]
     judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
@@ -154,12 +160,27 @@ def _judge(model, tokenizer, judge_model: str | None, cfg: dict):
 
 
 def _progress(items, cfg, run_dir):
+    """A tqdm bar on a TTY; otherwise (cluster logs) a plain line at most every 60 s. ``progress=false``
+    silences both."""
     show = cfg.get("progress", "auto")
-    enabled = sys.stderr.isatty() if show == "auto" else bool(show)
-    if not enabled:
+    if show is False or show == "false":
         return items
-    from tqdm import tqdm
-    return tqdm(items, desc=str(run_dir.relative_to(run_dir.parents[3])), unit="sample")
+    label = "/".join(run_dir.parts[-3:])
+    if sys.stderr.isatty() or show is True:
+        from tqdm import tqdm
+        return tqdm(items, desc=label, unit="sample")
+    return _log_lines(items, label)
+
+
+def _log_lines(items, label, every_s: float = 60.0):
+    start = last = time.monotonic()
+    for done, item in enumerate(items):
+        yield item
+        now = time.monotonic()
+        if now - last >= every_s or done + 1 == len(items):
+            eta = (now - start) / (done + 1) * (len(items) - done - 1)
+            print(f"[{label}] {done + 1}/{len(items)} samples, ETA {eta / 60:.1f} min", file=sys.stderr, flush=True)
+            last = now
 
 
 def summarize_timing(rows: list[dict], model) -> dict:

@@ -247,6 +247,21 @@ def test_reuse_layer_loads_its_own_kv_in_the_anchors_layout():
     assert not torch.equal(st.slot_k[ok], anchor.slot_k[ok])
 
 
+def test_reuse_of_one_layer_is_icecache_exactly():
+    """n_reuse_layers=1: every layer is its own anchor, so IceCache(reuse) must be IceCache bit for bit
+    (same logits, selections and bytes moved) over a generation crossing window evictions."""
+    model = build_tiny("tiny-qwen3", 2, 4)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    (ref, plain), (out, reuse) = (generate_with(model, ids, 40, name, budget=64, **hp)
+                                  for name, hp in (("icecache", {}), ("icecache_reuse", dict(n_reuse_layers=1))))
+    assert all(reuse.method.builds_index(i) for i in range(4))
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+    for a, b in zip(plain.states[2:], reuse.states[2:]):
+        assert a.offloaded and torch.equal(a.selection, b.selection) and torch.equal(a.slot_tokens, b.slot_tokens)
+        assert a.bytes_moved == b.bytes_moved > 0
+
+
 def test_union_merge_attends_the_group_union():
     m = make_method("icecache", budget=128, gqa_merge="union", debug=True)
     drv = Driver(m, prompt=300)

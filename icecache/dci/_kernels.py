@@ -317,6 +317,35 @@ def norms_and_proj(keys, u):
     return sq, uk
 
 
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def insert_parents(new_keys, u, m2, sim, l1_sq, l1_loc):
+    """Squared norms, ``u_{1:d}.k`` and parent node of new keys; updates ``m2`` (running max, §2).
+
+    ``sim [H, m, n1]`` holds the plain inner products with the level-1 keys; the parent is the
+    nearest level-1 node under ``D`` (exact, §3.4), i.e. the largest
+    ``a.b + sqrt(M^2-|a|^2) sqrt(M^2-|b|^2)`` with the updated ``M``; node 0 (root) without a level 1.
+    """
+    sq, uk = norms_and_proj(new_keys, u)
+    heads, m = sq.shape
+    n1 = l1_loc.shape[0]
+    parent = np.zeros((heads, m), dtype=np.int64)
+    for h in range(heads):
+        for a in range(m):
+            m2[h] = max(m2[h], sq[h, a])
+        height = np.empty(n1, dtype=np.float32)
+        for b in range(n1):
+            height[b] = math.sqrt(max(m2[h] - l1_sq[h, b], 0.0))
+        for a in range(m):
+            ha = math.sqrt(max(m2[h] - sq[h, a], 0.0))
+            best = -np.inf
+            for b in range(n1):
+                s = sim[h, a, b] + ha * height[b]
+                if s > best:
+                    best = s
+                    parent[h, a] = l1_loc[b] + 1
+    return sq, uk, parent
+
+
 @njit(cache=True, nogil=True)
 def _node_pages(h, node, page_next, node_first, node_npages):
     pages = np.empty(node_npages[h, node], dtype=np.int64)
@@ -424,8 +453,10 @@ def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, p
 
     Parents are level-1 nodes (or the root of a one-level tree), so a new page is a level-0 page.
     A full page splits in half; every page whose content changed is flagged in ``changed``.
+    Returns the largest page count of a node that received a token.
     """
     heads, m, d = new_keys.shape
+    most_pages = 0
     for h in range(heads):
         for a in range(m):
             node = new_parent[h, a]
@@ -479,3 +510,5 @@ def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, p
             tok_slot[h, i] = s
             page_valid[h, pg] += 1
             changed[h, pg] = True
+            most_pages = max(most_pages, node_npages[h, node])
+    return most_pages

@@ -19,6 +19,11 @@ from .parents import assign_parents
 from .transform import random_direction
 
 
+def _as_f32(x: torch.Tensor) -> np.ndarray:
+    """Contiguous fp32 numpy array of a CPU tensor (a view when it already is one)."""
+    return np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+
+
 def _grow(arr: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
     """Copy of ``arr`` enlarged to ``size`` along ``axis``, new entries set to ``fill``."""
     shape = list(arr.shape)
@@ -159,7 +164,7 @@ class MDCIIndex:
         n_q = queries.shape[0]
         if n_q % self.heads:
             raise ValueError(f"H_q={n_q} is not a multiple of H_kv={self.heads}")
-        q = np.ascontiguousarray(queries.detach().to(torch.float32).numpy())
+        q = _as_f32(queries)
         out = np.empty((n_q, k_pages), dtype=np.int64)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
@@ -179,38 +184,25 @@ class MDCIIndex:
         every (head, page) whose content changed, new pages included, so stale copies are refetched.
         """
         heads, m, _ = keys.shape
-        k_np = np.ascontiguousarray(keys.detach().to(torch.float32).numpy())
-        sq, uk = _kernels.norms_and_proj(k_np, self.u)
-        np.maximum(self.m2, sq.max(1), out=self.m2)
-        parent = self._insert_parents(k_np, sq)
+        k_np = _as_f32(keys)
+        sim = np.matmul(k_np, self._l1_keys_t)  # [H, m, n1] inner products with level 1
+        sq, uk, parent = _kernels.insert_parents(k_np, self.u, self.m2, sim, self._l1_sq,
+                                                 self._l1_loc)
         self._ensure_tokens(self.n + m)
         self._ensure_pages(int(self.n_pages_h.max()) + m)
         loc = np.arange(self.n, self.n + m, dtype=np.int64)
         abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        _kernels.insert(k_np, uk, sq, parent, loc, abs_ids, self.m2, np.float32(self.u[-1]),
-                        self.cfg.page_size, self.sq, self.parent, self.page_keys, self.page_uk,
-                        self.page_proj, self.page_loc, self.page_abs, self.page_valid_np,
-                        self.page_next, self.page_node, self.node_first, self.node_npages,
-                        self.node_nleaf, self.node_m2, self.tok_page, self.tok_slot,
-                        self.n_pages_h, changed)
+        most = _kernels.insert(k_np, uk, sq, parent, loc, abs_ids, self.m2, np.float32(self.u[-1]),
+                               self.cfg.page_size, self.sq, self.parent, self.page_keys,
+                               self.page_uk, self.page_proj, self.page_loc, self.page_abs,
+                               self.page_valid_np, self.page_next, self.page_node, self.node_first,
+                               self.node_npages, self.node_nleaf, self.node_m2, self.tok_page,
+                               self.tok_slot, self.n_pages_h, changed)
         self.n += m
-        grown = int(np.take_along_axis(self.node_npages, parent, 1).max()) * self.cfg.page_size
-        self._max_children = max(self._max_children, grown)
+        self._max_children = max(self._max_children, most * self.cfg.page_size)
         return torch.from_numpy(changed[:, : self.n_pages])
-
-    def _insert_parents(self, k_np: np.ndarray, sq: np.ndarray) -> np.ndarray:
-        """Nearest level-1 node of each new key under ``D`` (exact, one matmul per head; §3.4):
-        the largest ``a.b + sqrt(M^2-|a|^2) sqrt(M^2-|b|^2)``. Node 0 (root) without a level 1."""
-        if self._l1_loc.size == 0:
-            return np.zeros(sq.shape, dtype=np.int64)
-        m2 = self.m2[:, None]
-        h_new = np.sqrt(np.maximum(m2 - sq, 0.0))
-        h_l1 = np.sqrt(np.maximum(m2 - self._l1_sq, 0.0))
-        sim = np.matmul(k_np, self._l1_keys_t)
-        sim += h_new[:, :, None] * h_l1[:, None, :]
-        return self._l1_loc[sim.argmax(-1)] + 1
 
     # ------------------------------------------------------------------------- page views
 
