@@ -78,7 +78,7 @@ def plan(cfg: dict) -> Plan:
         raise ConfigError(f"budget must be positive (tokens, or a fraction in (0, 1) of the prompt), got {budget}")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
-        probe = make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
+        make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
     except (TypeError, ValueError) as err:
         if isinstance(err, (BudgetError, UnknownNameError)):
             raise
@@ -89,8 +89,6 @@ def plan(cfg: dict) -> Plan:
     if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
         raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
                                 "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
-    if probe.budget is None:  # a method without a budget (full): one run directory whatever `budget` says
-        cfg = dict(cfg, budget=None)
     cfg = dict(cfg, results_dir=str(resolve_path(cfg.get("results_dir", "results"))),
                data_dir=None if data_dir is None else str(data_dir))
     return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
