@@ -11,6 +11,7 @@ numbers come from :meth:`Suite.aggregate` over those rows, so a resumed run need
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
@@ -98,3 +99,21 @@ def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: in
     if value >= 1 and value == int(value):
         return int(value)
     raise ValueError(f"budget must be a fraction in (0, 1) of the prompt or a whole number of tokens, got {budget}")
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> Iterator[tuple[int, int, dict]]:
+    """``(index, line number, row)`` for the first ``limit`` non-blank lines of a JSON-lines file; a line
+    that is not valid JSON is a :class:`DataError` naming the file and the line."""
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and index >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}, line {lineno}: not valid JSON ({err})") from None
+            yield index, lineno, row
+            index += 1

@@ -21,11 +21,10 @@ Budgets for this suite are fractions of the prompt (the paper's "10% budget", PQ
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Iterator
 
-from .base import DataError, Sample, Suite, resolve_budget
+from .base import DataError, Sample, Suite, read_jsonl, resolve_budget
 
 PROTOCOLS = ("pqcache", "lm_eval")
 PQCACHE_SPLIT = "\nQuestion: "
@@ -116,25 +115,14 @@ class GSM8K(Suite):
 
     def problems(self) -> Iterator[tuple[int, dict]]:
         """``(index, row)`` for the first ``limit`` problems, validated."""
-        index = 0
-        with open(self.test_path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if self.limit is not None and index >= self.limit:
-                    return
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{self.test_path}, line {lineno}: not valid JSON ({err})") from None
-                for field in ("question", "answer"):
-                    if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                        raise DataError(f"{self.test_path}, line {lineno}: missing field '{field}' "
-                                        "(a GSM8K row needs 'question' and 'answer' ending in '#### N')")
-                if not PQCACHE_NUMBER.search(row["answer"].split("####")[-1]):
-                    raise DataError(f"{self.test_path}, line {lineno}: field 'answer' has no final number")
-                yield index, row
-                index += 1
+        for index, lineno, row in read_jsonl(self.test_path, self.limit):
+            for field in ("question", "answer"):
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    raise DataError(f"{self.test_path}, line {lineno}: missing field '{field}' "
+                                    "(a GSM8K row needs 'question' and 'answer' ending in '#### N')")
+            if not PQCACHE_NUMBER.search(row["answer"].split("####")[-1]):
+                raise DataError(f"{self.test_path}, line {lineno}: field 'answer' has no final number")
+            yield index, row
 
     def prompt_text(self, question: str) -> str:
         if self.protocol == "pqcache":

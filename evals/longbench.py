@@ -35,7 +35,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from .base import DataError, Sample, Suite
+from .base import DataError, Sample, Suite, read_jsonl
 from .longbench_metrics import score_prediction
 
 ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
@@ -113,20 +113,9 @@ class LongBench(Suite):
             yield from self._hub_rows(task)
 
     def _local_rows(self, task: str, path: Path) -> Iterator[tuple[int, dict, str]]:
-        index = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if self.limit is not None and index >= self.limit:
-                    return
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}, line {lineno}: not valid JSON ({err})") from None
-                _check_row(row, task, f"{path}, line {lineno}")
-                yield index, row, path.parent.name
-                index += 1
+        for index, lineno, row in read_jsonl(path, self.limit):
+            _check_row(row, task, f"{path}, line {lineno}")
+            yield index, row, path.parent.name
 
     def _hub_rows(self, task: str) -> Iterator[tuple[int, dict, str]]:
         from datasets import load_dataset
