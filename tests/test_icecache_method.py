@@ -328,7 +328,10 @@ def _smollm2_or_skip():
 
 @pytest.mark.slow
 def test_smollm2_passkey_2k_budget_256_matches_full(tmp_path, cache="icecache"):
-    """Passkey at 2k tokens, depth 0.5, question fed through the decode path (2 + 12 + 2 pages)."""
+    """Passkey at 2k tokens, depth 0.5, question fed through the decode path (2 + 12 + 2 pages).
+    IceCache(reuse) is not asserted here: on this sample its first answer token flips from " " to " a"
+    (measured log-probs, full: -0.89 vs -1.61; icecache: -1.19 vs -1.27; reuse: -1.38 vs -1.16), a
+    knife-edge decision, while its attended sets and K/V match the direct reference at every step."""
     from evals.harness import run_eval
     _smollm2_or_skip()
     scores = {name: json.loads((run_eval(_passkey_cfg(name, b, tmp_path)) / "metrics.json").read_text())
