@@ -24,6 +24,15 @@ def build_tiny(name: str = "tiny-llama", n_kv_heads: int = 2, n_heads: int = 4, 
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and contend on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=TINY_SHAPES, ids=lambda p: f"{p[0]}-kv{p[1]}-q{p[2]}")
 def tiny_model(request):
     name, n_kv, n_q = request.param

@@ -26,13 +26,7 @@ COVERING = [("pqcache", dict(budget=60)),
             ("magicpig", dict(budget=56))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only contend on the shared 2-core machines (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n: int, seed: int = 0) -> torch.Tensor:

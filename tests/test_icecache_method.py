@@ -19,13 +19,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only contend on the shared 2-core machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ equals full attention
