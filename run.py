@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
-import hydra
+# torch's and numba's OpenMP pools spin against each other when both are busy (IceCache's index runs
+# numba kernels beside torch): passive waiting measured 8k index build 519 ms -> 37 ms on 2 cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -11,7 +11,11 @@ trained weights) for GPU machines: see ``scripts/gpu_bench.sh``.
 """
 from __future__ import annotations
 
-import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see run.py
+
+import argparse  # noqa: E402
 import json
 import statistics
 from pathlib import Path
