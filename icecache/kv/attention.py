@@ -39,14 +39,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
            valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of the current query ``[H_q, 1, d]`` over a selection ``k, v: [H, m, d]`` with ``H`` in
-    {1, H_kv, H_q}. ``valid`` (``[H, m]`` bool) masks empty slots (e.g. IceCache's under-filled pages)."""
-    n_q = q.shape[0]
-    mask = None
-    if valid is not None:
-        mask = expand_heads(valid, n_q)[:, None, :]  # [H_q, 1, m]
-    return F.scaled_dot_product_attention(q[None], expand_heads(k, n_q)[None], expand_heads(v, n_q)[None],
-                                          attn_mask=None if mask is None else mask[None], scale=scaling)[0]
+    """Attention of the current queries ``[H_q, n, d]`` over a selection ``k, v: [H, m, d]`` with ``H`` in
+    {1, H_kv, H_q}. ``valid`` (``[H, m]`` bool) masks empty slots (e.g. IceCache's under-filled pages).
+
+    Query head i reads head i // (H_q / H). The group's queries are folded into the query axis of their
+    shared head, so keys and values are never copied per query head."""
+    n_q, n, d = q.shape
+    h = k.shape[0]
+    if n_q % h:
+        raise ValueError(f"head axis {h} does not divide the {n_q} query heads")
+    grouped = q.reshape(h, (n_q // h) * n, d)
+    mask = None if valid is None else valid[:, None, :]  # [H, 1, m], broadcast over the group's queries
+    out = F.scaled_dot_product_attention(grouped[None], k[None], v[None],
+                                         attn_mask=None if mask is None else mask[None], scale=scaling)[0]
+    return out.reshape(n_q, n, d)
 
 
 def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -84,6 +84,23 @@ class Fetched:
         return float(self.valid.sum(-1).float().mean()) - 1.0
 
 
+def append_to_buffer(buffer: torch.Tensor | None, view: torch.Tensor | None,
+                     new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Appends ``new: [H, m, d]`` after ``view`` along dim 1. ``view`` is kept in place when it is the
+    prefix of ``buffer`` with room left; otherwise (first call, full buffer, or a method replaced the view
+    by another tensor, e.g. after an eviction) a buffer of twice the needed length is allocated."""
+    n, m = (0 if view is None else view.shape[1]), new.shape[1]
+    in_place = (buffer is not None and view is not None and view.data_ptr() == buffer.data_ptr()
+                and view.stride() == buffer.stride() and n + m <= buffer.shape[1])
+    if not in_place:
+        grown = new.new_empty((new.shape[0], max(2 * (n + m), 64), *new.shape[2:]))
+        if n:
+            grown[:, :n] = view
+        buffer = grown
+    buffer[:, n:n + m] = new
+    return buffer, buffer[:, :n + m]
+
+
 class LayerState:
     """Per-layer storage. The default holds the resident K/V ``[H_kv, n, d]`` and the original position
     of each resident token (``pos``, ``[n]``). Methods attach their own fields (indexes, scores...)."""
@@ -93,6 +110,7 @@ class LayerState:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
+        self.buffers: dict[str, torch.Tensor] = {}  # growable storage behind k/v (see append_to_buffer)
         self.n_seen = 0  # logical length: tokens ever appended to this layer
         self.pending: concurrent.futures.Future | None = None
         self.bytes_moved = 0  # bytes copied from an offload store into fast memory (methods count them)
@@ -144,13 +162,12 @@ class KVMethod:
         """Called once per layer right after its prefill attention: evict, offload, start index builds."""
 
     def store(self, st: LayerState, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends K/V with their original positions to the resident store."""
+        """Appends K/V with their original positions to the resident store (amortised O(1) per token:
+        ``st.k``/``st.v`` are prefix views of buffers that double when full)."""
         pos = torch.arange(st.n_seen - k.shape[1], st.n_seen, device=k.device)
-        if st.k is None:
-            st.k, st.v, st.pos = k, v, pos
-        else:
-            st.k, st.v = torch.cat([st.k, k], dim=1), torch.cat([st.v, v], dim=1)
-            st.pos = torch.cat([st.pos, pos])
+        st.buffers["k"], st.k = append_to_buffer(st.buffers.get("k"), st.k, k)
+        st.buffers["v"], st.v = append_to_buffer(st.buffers.get("v"), st.v, v)
+        st.pos = pos if st.pos is None else torch.cat([st.pos, pos])
 
     # ------------------------------------------------------------------ background work
     def submit_background(self, st: LayerState, fn, *args) -> None:
