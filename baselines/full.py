@@ -13,6 +13,7 @@ class FullCache(KVMethod):
     """Keeps the whole KV cache resident. ``budget`` is ignored (logged as ``None``)."""
 
     name: ClassVar[str] = "full"
+    needs_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.budget = None  # no budget: full attention in every layer

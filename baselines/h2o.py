@@ -67,8 +67,6 @@ class H2O(KVMethod):
     name: ClassVar[str] = "h2o"
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("h2o needs a budget (heavy + recent tokens per head), e.g. budget=64")
         if not 0.0 <= self.heavy_ratio < 1.0:
             raise BudgetError(f"h2o: heavy_ratio must be in [0, 1) so the recent window is not empty, "
                               f"got {self.heavy_ratio}")

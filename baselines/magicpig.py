@@ -177,6 +177,7 @@ class MagicPIG(KVMethod):
     max_bits: int = 20
     seed: int = 0
     name: ClassVar[str] = "magicpig"
+    example_budget: ClassVar[int] = 128
     dense: frozenset = field(default=frozenset(), init=False, repr=False)
     proj: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -189,8 +190,6 @@ class MagicPIG(KVMethod):
         return self.budget - self.n_sink - self.local
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("magicpig needs a budget (tokens per head), e.g. budget=128")
         if self.budget < self.n_sink + 2:
             raise BudgetError(f"magicpig: budget {self.budget} must be >= n_sink + 2 = {self.n_sink + 2} "
                               "(sinks, a local window and a sampled part)")

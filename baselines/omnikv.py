@@ -105,8 +105,6 @@ class OmniKV(KVMethod):
     shared: dict = field(default_factory=dict, init=False, repr=False)  # filter -> (step, selected positions)
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("omnikv needs a budget (prompt tokens selected per sparse layer), e.g. budget=64")
         if self.selector not in SELECTORS:
             raise BudgetError(f"omnikv: selector must be one of {SELECTORS}, got '{self.selector}'")
         if self.wait_layers < 0:

@@ -137,8 +137,6 @@ class PQCache(KVMethod):
         return self.budget - self.n_sink - self.recent
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("pqcache needs a budget (tokens per head), e.g. budget=64")
         if self.n_subvec not in (1, 2, 4, 8, 16):
             raise BudgetError(f"pqcache: n_subvec must be one of 1, 2, 4, 8, 16, got {self.n_subvec}")
         if self.recent < 1 or self.topk < 1:

@@ -74,8 +74,6 @@ class Quest(KVMethod):
     name: ClassVar[str] = "quest"
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError(f"quest needs a budget (a multiple of page_size={self.page_size}), e.g. budget=64")
         if self.budget % self.page_size:
             lower = self.budget // self.page_size * self.page_size
             nearest = [b for b in (lower, lower + self.page_size) if b > 0]

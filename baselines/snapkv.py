@@ -75,8 +75,6 @@ class SnapKV(KVMethod):
     name: ClassVar[str] = "snapkv"
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError(f"snapkv needs a budget (tokens per head), e.g. budget={self.window_size + 32}")
         if self.window_size <= 0 or self.budget <= self.window_size:
             raise BudgetError(f"snapkv: budget {self.budget} must exceed window_size={self.window_size} (the "
                               f"observation window plus at least one voted token); try budget="

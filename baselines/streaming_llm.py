@@ -44,8 +44,6 @@ class StreamingLLM(KVMethod):
     name: ClassVar[str] = "streaming_llm"
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("streaming_llm needs a budget (tokens per head), e.g. budget=64")
         if self.budget <= self.n_sink:
             raise BudgetError(f"streaming_llm: budget {self.budget} must exceed n_sink={self.n_sink} "
                               f"(sinks + at least one recent token); try budget={self.n_sink + 60}")

@@ -47,8 +47,6 @@ class TopKOracle(KVMethod):
     name: ClassVar[str] = "topk"
 
     def check_budget(self) -> None:
-        if self.budget is None:
-            raise BudgetError("topk needs a budget (past tokens attended per head), e.g. budget=64")
         if self.heads not in HEAD_MODES:
             raise ValueError(f"topk: heads must be one of {HEAD_MODES}, got '{self.heads}'")
         if self.group_agg not in GROUP_AGGREGATIONS:

@@ -114,6 +114,7 @@ class IceCache(KVMethod):
     prop_to_retrieve: float = 0.8
     seed: int = 0
     name: ClassVar[str] = "icecache"
+    example_budget: ClassVar[int] = 128
     _states: dict = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ configuration
@@ -136,9 +137,6 @@ class IceCache(KVMethod):
         s = self.page_size
         smallest = (min(self.n_sink_pages, 1) if self.budget_layout == "auto" else self.n_sink_pages)
         smallest = (smallest + self.n_window_pages + 1) * s
-        if self.budget is None:
-            raise BudgetError(f"{self.name} needs a budget in tokens (a multiple of page_size={s}, "
-                              f">= {smallest}), e.g. budget={max(smallest, 128)}")
         if self.budget % s or self.layout()[2] < 1:
             near = sorted({max(smallest, self.budget // s * s), max(smallest, -(-self.budget // s) * s)})
             raise BudgetError(f"{self.name}: budget {self.budget} is invalid: it must be a multiple of "

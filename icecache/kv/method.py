@@ -128,17 +128,24 @@ class KVMethod:
     budget: int | None = None
     debug: bool = False  # assert the resident-set accounting after every step
     name: ClassVar[str] = ""
+    needs_budget: ClassVar[bool] = True  # False for methods without one (full)
+    example_budget: ClassVar[int] = 64  # suggested in the error when no budget is given
     spec: ModelSpec | None = field(default=None, init=False, repr=False)
     _executor: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget <= 0:
+        if self.budget is None:
+            if self.needs_budget:
+                raise BudgetError(f"{self.name} needs a budget (past tokens per head per budgeted layer), "
+                                  f"e.g. budget={self.example_budget}")
+            return
+        if self.budget <= 0:
             raise BudgetError(f"{self.name}: budget must be a positive number of tokens, got {self.budget}")
         self.check_budget()
 
     # ------------------------------------------------------------------ configuration
     def check_budget(self) -> None:
-        """Validates the budget against the method's hyperparameters (config time). Override."""
+        """Validates a given budget against the method's hyperparameters (config time). Override."""
 
     def bind(self, spec: ModelSpec) -> None:
         self.spec = spec
