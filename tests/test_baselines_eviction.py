@@ -100,18 +100,22 @@ def test_h2o_chunked_column_sums_equal_eager_softmax(n_kv, n_q, chunk):
     torch.testing.assert_close(attention_column_sums(q, k, 0.3, chunk), eager)
 
 
-def heavy_hitter_inputs(n_q: int):
-    """8 tokens, d = 4. KV head 0's heavy hitters are tokens {1, 3} (keys 10*e0, queries e0); KV head 1's
-    are {2, 4} (keys 10*e1, queries e1). Values are one-hot position codes."""
-    n, d = 8, 4
+def planted_inputs(n_q: int, n: int, head0_tokens: list[int], head1_tokens: list[int]):
+    """Two KV heads, d = 4: head 0's keys are 10*e0 at ``head0_tokens``, head 1's 10*e1 at ``head1_tokens``;
+    the first half of the query heads query e0, the second half e1; random values."""
+    d = 4
     k = torch.zeros(2, n, d)
-    k[0, [1, 3], 0] = 10.0
-    k[1, [2, 4], 1] = 10.0
+    k[0, head0_tokens, 0] = 10.0
+    k[1, head1_tokens, 1] = 10.0
     q = torch.zeros(n_q, n, d)
     q[: n_q // 2, :, 0] = 1.0
     q[n_q // 2:, :, 1] = 1.0
-    v = torch.randn(2, n, d)
-    return q, k, v
+    return q, k, torch.randn(2, n, d)
+
+
+def heavy_hitter_inputs(n_q: int):
+    """8 tokens: KV head 0's heavy hitters are tokens {1, 3}, KV head 1's are {2, 4}."""
+    return planted_inputs(n_q, 8, [1, 3], [2, 4])
 
 
 @pytest.mark.parametrize("n_q", [2, 4])
@@ -205,14 +209,7 @@ def test_snapkv_pooling():
 
 def snapkv_inputs(n_q: int):
     """16 tokens, window 4: the window queries of KV head 0 look at tokens {2, 7}, of KV head 1 at {5, 9}."""
-    n, d = 16, 4
-    k = torch.zeros(2, n, d)
-    k[0, [2, 7], 0] = 10.0
-    k[1, [5, 9], 1] = 10.0
-    q = torch.zeros(n_q, n, d)
-    q[: n_q // 2, :, 0] = 1.0
-    q[n_q // 2:, :, 1] = 1.0
-    return q, k, torch.randn(2, n, d)
+    return planted_inputs(n_q, 16, [2, 7], [5, 9])
 
 
 @pytest.mark.parametrize("n_q", [2, 4])
