@@ -55,6 +55,16 @@ def _log2_ticks(ax, values) -> None:
     ax.minorticks_off()
 
 
+def _finish_line_plot(fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Axis labels, title, light grid and legend shared by the line and scatter figures, then save."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
 def _save(fig, out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,13 +94,10 @@ def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
         else:
             ax.plot(runs["budget"], runs["score"], marker="o", color=method_color(cache), label=cache)
     _log2_ticks(ax, frame.loc[frame["cache"] != "full", "budget"])
-    ax.set_xlabel("KV budget (past tokens per head per layer)")
-    ax.set_ylabel("score (0-100)")
     ax.set_ylim(-3, 103)
-    ax.set_title(title or "Score vs KV budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out)
+    return _finish_line_plot(fig, ax, out, "KV budget (past tokens per head per layer)",
+                             "score (0-100)",
+                             title or "Score vs KV budget")
 
 
 def latency_scatter(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
@@ -103,12 +110,9 @@ def latency_scatter(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
             ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points", xytext=(4, 4),
                         fontsize=7)
     ax.margins(0.15)
-    ax.set_xlabel("time to second token, TT2T (s)")
-    ax.set_ylabel("time per output token, TPOT (ms)")
-    ax.set_title(title or "TT2T vs TPOT (labels: budget: score)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out)
+    return _finish_line_plot(fig, ax, out, "time to second token, TT2T (s)",
+                             "time per output token, TPOT (ms)",
+                             title or "TT2T vs TPOT (labels: budget: score)")
 
 
 def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
@@ -155,12 +159,9 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
         ax.plot(runs["length"], 1000 * runs["tpot_s"], color=method_color(cache), label=label,
                 marker=markers[budgets.index(_budget_text(budget)) % len(markers)])
     _log2_ticks(ax, table["length"])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode latency per token, TPOT (ms)")
-    ax.set_title(title or "Decode latency vs context length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out)
+    return _finish_line_plot(fig, ax, out, "context length (tokens)",
+                             "decode latency per token, TPOT (ms)",
+                             title or "Decode latency vs context length")
 
 
 def passkey_cells(run_dir: Path) -> pd.DataFrame:
