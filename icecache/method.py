@@ -5,6 +5,12 @@ Regions of a budgeted layer (§1), in pages of ``page_size`` tokens, all on the 
 
     [ sink: n_sink pages | K retrieved page slots per KV head | window: n_window pages ]
 
+They are one persistent buffer per layer (``res_k, res_v [H_kv, R, d]`` and ``res_valid [H_kv, R]``), so
+attention reads the resident set in place: a page load writes into its slot, a new token into its
+window slot, and nothing is concatenated per step. The window region is a ring of ``n_window`` pages
+(position ``p`` lives in ring page ``(p // page_size) % n_window``); attention is a set operation over
+RoPE'd keys, so the order of the slots does not matter.
+
 The budget ``B`` tokens = ``B / page_size`` pages, sink and window included, so ``K = B/page_size -
 n_sink - n_window``. Every other token is *offloaded*: its K/V live in an :class:`~icecache.offload.
 OffloadStore` (host memory, pinned on CUDA) and its key in the layer's M-DCI index (``icecache.dci``),
@@ -25,10 +31,12 @@ whose pages are groups of semantically close sibling tokens.
   not changed since keep their slot; only new or changed pages are bulk-loaded (one packed transfer,
   :meth:`OffloadStore.bulk_load`) into the slots freed by pages that dropped out. Attention runs over
   sink + selected pages + window, the empty slots of under-filled pages masked (head axis ``H_kv``).
-* Window eviction (§4 "New tokens"): when the newest window page fills, the oldest window page leaves
-  the window: its K/V go to the offload store at once and its keys are inserted into the index at the
-  start of the next step, before the search (as the official code stages them); the pages the insert
-  changed are marked stale, so a resident copy is refetched when selected again.
+* Window eviction (§4 "New tokens"): when a new token finds the window's pages all full, the oldest
+  window page leaves the window first: its K/V go to the offload store and its keys are inserted into
+  the index before this step's search (where the official code's staged insert lands); the pages the
+  insert changed are marked stale, so a resident copy is refetched when selected again. The window
+  thus holds between ``(n_window - 1) * page_size + 1`` and ``n_window * page_size`` tokens at
+  attention, the current one included.
 
 Budget layouts (§1, §9 "64-token budget"): ``budget_layout="auto"`` (default) lowers the sink to as
 few as one page when the budget would otherwise leave no retrieved page, so 64 tokens with 16-token
@@ -46,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
@@ -55,22 +64,24 @@ from icecache.offload import OffloadStore
 
 class IceState(LayerState):
     """One layer: before offloading, the inherited ``k, v, pos`` hold every token (dense layers always);
-    after, the device holds ``sink_*``, the page slots ``slot_*`` and the window ``win_*``."""
+    after, the device holds the resident buffer ``res_*`` = sink | page slots | window ring."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
         self.offloaded = False
-        self.sink_k = self.sink_v = None  # [H_kv, n_sink * s, d]
-        self.win_k = self.win_v = None  # [H_kv, w, d], positions win_start ..
-        self.win_start = 0
-        self.slot_k = self.slot_v = None  # [H_kv, W, s, d] retrieved pages (device)
+        self.res_k = self.res_v = None  # [H_kv, R, d] resident buffer (device)
+        self.res_valid: torch.Tensor | None = None  # [H_kv, R] attended entries
+        self.n_sink_tokens = 0  # sink region = res[:, :n_sink_tokens]
+        self.win_offset = 0  # window ring = res[:, win_offset:]
+        self.win_start = 0  # oldest window position; the window holds win_start .. win_start + win_len - 1
+        self.win_len = 0
+        self.slot_k = self.slot_v = None  # [H_kv, W, s, d] views of the slot region of res_*
         self.slot_page: torch.Tensor | None = None  # [H_kv, W] page id held per slot, -1 = empty
         self.slot_tokens: torch.Tensor | None = None  # [H_kv, W, s] absolute positions, -1 = empty
         self.store: OffloadStore | None = None
         self.index: MDCIIndex | None = None  # anchors only
         self.selection: torch.Tensor | None = None  # [H_kv, W] pages selected at step ``selected_at``
         self.selected_at = -1
-        self.staged: torch.Tensor | None = None  # keys of the evicted window page, inserted next step
         self.changed: torch.Tensor | None = None  # [H_kv, n_pages] pages changed by the last insert
         self.changed_at = -1
         self.bytes_moved = 0
@@ -184,11 +195,17 @@ class IceCache(KVMethod):
         sink_pages, window_pages, _ = self.layout()
         first, w0 = sink_pages * s, (-(-n // s) - window_pages) * s
         k, v = st.k, st.v
-        st.sink_k, st.sink_v = k[:, :first].clone(), v[:, :first].clone()
-        st.win_k, st.win_v, st.win_start = k[:, w0:].clone(), v[:, w0:].clone(), w0
         h, _, d = k.shape
-        st.slot_k = torch.zeros(h, self.n_slots, s, d, dtype=k.dtype, device=k.device)
-        st.slot_v = torch.zeros_like(st.slot_k)
+        st.n_sink_tokens, st.win_offset = first, first + self.n_slots * s
+        size = st.win_offset + window_pages * s
+        st.res_k = torch.zeros(h, size, d, dtype=k.dtype, device=k.device)
+        st.res_v = torch.zeros_like(st.res_k)
+        st.res_valid = torch.zeros(h, size, dtype=torch.bool, device=k.device)
+        st.res_k[:, :first], st.res_v[:, :first], st.res_valid[:, :first] = k[:, :first], v[:, :first], True
+        st.slot_k = st.res_k[:, first: st.win_offset].view(h, self.n_slots, s, d)
+        st.slot_v = st.res_v[:, first: st.win_offset].view(h, self.n_slots, s, d)
+        st.win_start, st.win_len = w0, 0
+        self.window_write(st, k[:, w0:], v[:, w0:])
         st.slot_page = torch.full((h, self.n_slots), -1, dtype=torch.long)
         st.slot_tokens = torch.full((h, self.n_slots, s), -1, dtype=torch.long)
         st.k = st.v = st.pos = None
@@ -211,15 +228,42 @@ class IceCache(KVMethod):
         if not st.offloaded:
             super().append(st, k, v)
             return
-        if st.staged is not None:
-            self.mark_stale(st, self.insert_staged(st))
-            st.staged = None
-        st.win_k, st.win_v = torch.cat([st.win_k, k], dim=1), torch.cat([st.win_v, v], dim=1)
+        if st.win_len >= self.n_window_pages * self.page_size:  # window full: the oldest page leaves
+            self.evict_oldest_window_page(st)
+        self.window_write(st, k, v)
 
-    def insert_staged(self, st: IceState) -> torch.Tensor:
-        """Inserts the keys evicted from the window last step; returns the changed-page flags."""
-        ids = torch.arange(st.win_start - self.page_size, st.win_start)
-        st.changed, st.changed_at = st.index.insert(st.staged, ids), st.n_seen
+    def evict_oldest_window_page(self, st: IceState) -> None:
+        """The oldest window page goes to the offload store and (anchors) into the index, before this
+        step's search, as the official code inserts it; resident copies of the pages it changed go stale."""
+        s = self.page_size
+        positions = torch.arange(st.win_start, st.win_start + s)
+        oldest = self.window_slots(st, positions).to(st.res_k.device)
+        k, v = st.res_k[:, oldest], st.res_v[:, oldest]  # copies (advanced indexing)
+        st.store.append(k, v)
+        st.res_valid[:, oldest] = False
+        st.win_start, st.win_len = st.win_start + s, st.win_len - s
+        self.mark_stale(st, self.insert_evicted(st, k, positions))
+
+    def window_slots(self, st: IceState, positions: torch.Tensor) -> torch.Tensor:
+        """Indices into ``res_*`` of window positions (ring of ``n_window_pages`` pages)."""
+        s = self.page_size
+        return st.win_offset + (positions // s) % self.n_window_pages * s + positions % s
+
+    def window_write(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes ``k, v [H_kv, m, d]`` at the next ``m`` window positions."""
+        start = st.win_start + st.win_len
+        if k.shape[1] == 1:  # a decode step: one slot, plain indexing
+            s = self.page_size
+            slot = st.win_offset + (start // s) % self.n_window_pages * s + start % s
+            st.res_k[:, slot], st.res_v[:, slot], st.res_valid[:, slot] = k[:, 0], v[:, 0], True
+        else:
+            slots = self.window_slots(st, torch.arange(start, start + k.shape[1])).to(st.res_k.device)
+            st.res_k[:, slots], st.res_v[:, slots], st.res_valid[:, slots] = k, v, True
+        st.win_len += k.shape[1]
+
+    def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inserts the keys ``[H_kv, s, d]`` evicted from the window; returns the changed-page flags."""
+        st.changed, st.changed_at = st.index.insert(keys.cpu(), positions), st.n_seen
         return st.changed
 
     @staticmethod
@@ -257,57 +301,48 @@ class IceCache(KVMethod):
     @staticmethod
     def assign_slots(st: IceState, selection: torch.Tensor):
         """Keeps selected pages already resident in their slots, frees the others and gives the missing
-        pages free slots; returns the ``(heads, pages, slots)`` to load (LongTensors, possibly empty)."""
-        loads = []
-        for h in range(selection.shape[0]):
-            want = selection[h][selection[h] >= 0]
-            held = st.slot_page[h]
-            keep = torch.isin(held, want) & (held >= 0)
-            held[~keep] = -1
-            st.slot_tokens[h, ~keep] = -1
-            missing = want[~torch.isin(want, held)]
-            free = (~keep).nonzero().flatten()[: len(missing)]
-            held[free] = missing
-            loads.append((torch.full_like(missing, h), missing, free))
-        return tuple(torch.cat(x) for x in zip(*loads))
+        pages free slots (lowest free slot first); returns the ``(heads, pages, slots)`` to load
+        (LongTensors, possibly empty). Vectorised over KV heads in numpy (the arrays are tiny and torch's
+        per-op overhead dominated): ``selection [H_kv, K']``, -1 padded, distinct ids per head."""
+        held, want = st.slot_page.numpy(), selection.numpy()  # views: ``held`` is updated in place
+        keep = (held[:, :, None] == want[:, None, :]).any(-1) & (held >= 0)
+        held[~keep] = -1
+        st.slot_tokens.numpy()[~keep] = -1
+        missing = (want >= 0) & ~(want[:, :, None] == held[:, None, :]).any(-1)
+        free = ~keep & (np.cumsum(~keep, 1) <= missing.sum(1, keepdims=True))  # the first n_missing free slots
+        heads, col = missing.nonzero()
+        slots = free.nonzero()[1]  # row-major, so aligned with (heads, col) head by head
+        pages = want[heads, col]
+        held[heads, slots] = pages
+        return torch.from_numpy(heads), torch.from_numpy(pages), torch.from_numpy(slots)
 
     def resident_kv(self, st: IceState) -> Fetched:
-        """Sink + page slots + window (current token included) with the empty page slots masked."""
-        h, w, s, d = st.slot_k.shape
-        dev = st.slot_k.device
-        valid = torch.cat([torch.ones(h, st.sink_k.shape[1], dtype=torch.bool, device=dev),
-                           (st.slot_tokens >= 0).view(h, w * s).to(dev),
-                           torch.ones(h, st.win_k.shape[1], dtype=torch.bool, device=dev)], dim=1)
-        k = torch.cat([st.sink_k, st.slot_k.view(h, w * s, d), st.win_k], dim=1)
-        v = torch.cat([st.sink_v, st.slot_v.view(h, w * s, d), st.win_v], dim=1)
-        return Fetched(k, v, valid)
+        """The resident buffer in place: sink + page slots + window (current token included), the empty
+        slots of under-filled or unused pages and unused window slots masked."""
+        h, w, s, _ = st.slot_k.shape
+        st.res_valid[:, st.n_sink_tokens: st.win_offset] = (st.slot_tokens >= 0).view(h, w * s).to(st.res_valid.device)
+        return Fetched(st.res_k, st.res_v, st.res_valid)
 
     def attended_positions(self, st: IceState) -> torch.Tensor:
-        """Absolute positions ``[H_kv, m]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure
+        """Absolute positions ``[H_kv, R]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure
         attention recall, and for tests)."""
         h = st.slot_tokens.shape[0]
-        return torch.cat([torch.arange(st.sink_k.shape[1]).expand(h, -1), st.slot_tokens.view(h, -1),
-                          torch.arange(st.win_start, st.win_start + st.win_k.shape[1]).expand(h, -1)], dim=1)
+        window = torch.full((h, st.res_k.shape[1] - st.win_offset), -1, dtype=torch.long)
+        positions = torch.arange(st.win_start, st.win_start + st.win_len)
+        window[:, self.window_slots(st, positions) - st.win_offset] = positions
+        return torch.cat([torch.arange(st.n_sink_tokens).expand(h, -1), st.slot_tokens.view(h, -1), window], dim=1)
 
     def observe(self, st: IceState, q, fetched, selection) -> None:
         if not self.is_budgeted(st.layer_idx):
             return
-        if not st.offloaded:
-            if st.n_seen > self.index_threshold():
-                self.offload(st, background=False)
-            return
-        s = self.page_size
-        if st.win_k.shape[1] >= self.n_window_pages * s:  # the newest page is full: evict the oldest
-            st.store.append(st.win_k[:, :s], st.win_v[:, :s])
-            st.staged = st.win_k[:, :s].cpu() if self.builds_index(st.layer_idx) else torch.empty(0)
-            st.win_k, st.win_v = st.win_k[:, s:].clone(), st.win_v[:, s:].clone()
-            st.win_start += s
+        if not st.offloaded and st.n_seen > self.index_threshold():
+            self.offload(st, background=False)
 
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: IceState) -> int:
         if not st.offloaded:
             return st.resident_tokens()
-        return st.sink_k.shape[1] + st.slot_k.shape[1] * self.page_size + st.win_k.shape[1]
+        return st.n_sink_tokens + st.slot_k.shape[1] * self.page_size + st.win_len
 
     def resident_bound(self) -> int:
         """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
@@ -350,10 +385,10 @@ class IceCacheReuse(IceCache):
     def page_source(self, st: IceState) -> IceState:
         return self._states[self.anchor_of(st.layer_idx)]
 
-    def insert_staged(self, st: IceState) -> torch.Tensor:
+    def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         anchor = self.page_source(st)
         if anchor is st:
-            return super().insert_staged(st)
+            return super().insert_evicted(st, keys, positions)
         if anchor.changed_at != st.n_seen:
             raise RuntimeError(f"{self.name}: layer {st.layer_idx} evicted a window page that its anchor "
                                f"{anchor.layer_idx} did not insert at this step")

@@ -169,8 +169,9 @@ def print_ratios(results: dict) -> None:
     for method, rows in results.items():
         if method in ("full", "environment"):
             continue
-        cells = [f"{L}: {r['tt2t_s'] / results['full'][L]['tt2t_s']:.2f} / {r['tpot_s'] / results['full'][L]['tpot_s']:.2f}"
-                 for L, r in rows.items() if L in results["full"]]
+        full = results["full"]
+        cells = [f"{L}: {r['tt2t_s'] / full[L]['tt2t_s']:.2f} / {r['tpot_s'] / full[L]['tpot_s']:.2f}"
+                 for L, r in rows.items() if L in full]
         print(f"{method:>15}  " + "  ".join(cells))
 
 

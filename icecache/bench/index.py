@@ -8,7 +8,8 @@ Usage::
 
 - ``"keys"``: list over layers of ``[H_kv, n, d]`` (bf16) keys of the prompt,
 - ``"queries"``: list over layers of ``[steps, H_q, d]`` post-RoPE decode queries,
-- ``"layers"``: list of the model's layer ids of these entries (the budgeted layers).
+- ``"layers"``: list of the model's layer ids of these entries (the budgeted layers),
+- ``"n_layers"`` (optional): the model's depth; default ``max(layers) + 1`` (SmolLM2: layers 2..29 -> 30).
 
 Without a file, synthetic clustered keys with temporal locality are used (and the output says so).
 
@@ -17,6 +18,13 @@ in one process on ``torch.set_num_threads(2)``; the brute force is the exact top
 ``q.K`` in torch bf16 on the same keys. Recall (icecache.md §10) is the share of the exact fp64
 softmax attention of a query head that falls on the tokens it may attend to: sink pages, window
 pages and the pages (or tokens) a selector retrieves for its KV head.
+
+Two token-level baselines are measured with their own code (``baselines/``): ``pqcache`` (4 sinks +
+recent window + PQ top-k per KV head, reference/baselines.md §1.3, §1.8) and ``omnikv`` (one head-shared
+top-``B`` set chosen at each filter layer from that layer's attention and reused by the layers after it,
+§1.4, §1.8; ``omnikv_sparse`` is the same over the layers OmniKV actually budgets). H2O and SnapKV are
+not measurable from decode-only captures (their scores need the attention of the prompt's queries),
+nor is MagicPIG (a sampling estimator of the attention, not a token subset).
 """
 
 from __future__ import annotations
@@ -35,7 +43,10 @@ import numba
 import numpy as np
 import torch
 
+from baselines.omnikv import OmniKV, select_tokens
+from baselines.pqcache import PQCache
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
+from icecache.kv import ModelSpec
 
 PAGE = 16
 # budget in tokens -> (sink pages, window pages, retrieved pages), icecache.md §10
@@ -243,10 +254,70 @@ def variants(index: MDCIIndex) -> dict:
     return {"icecache": index, "icecache_chunk1": chunk1}
 
 
+def model_spec(data: dict) -> ModelSpec:
+    """The :class:`ModelSpec` the baselines are bound to (scaling ``d**-0.5``, as SmolLM2)."""
+    heads, _, dim = data["keys"][0].shape
+    return ModelSpec(n_layers=int(data.get("n_layers") or max(data["layers"]) + 1),
+                     n_q_heads=data["queries"][0].shape[1], n_kv_heads=heads, head_dim=dim,
+                     scaling=dim ** -0.5, max_position=0)
+
+
+def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget: int,
+                  spec: ModelSpec, **options) -> list[torch.Tensor]:
+    """PQCache's attended tokens ``[H_kv, n]`` at each step (reference/baselines.md §1.3, §1.8).
+
+    Runs :class:`baselines.pqcache.PQCache` itself: its prefill end (k-means codebooks of every KV
+    head on the non-sink prompt keys, seeded per layer) and its decode selection (softmax of the PQ
+    logits per query head, summed over the GQA group, top-k per KV head). Attended: ``n_sink = 4``
+    sinks + ``recent = (B - 4) // 2`` newest prompt tokens + top-k ``B - 4 - recent`` of the tokens
+    between them (the captured prompt stands for the context; generated tokens are not captured).
+    ``options``: other :class:`PQCache` hyperparameters (defaults: the baseline's).
+    """
+    method = PQCache(budget=budget, **options)
+    method.bind(spec)
+    st = method.new_state(layer)
+    st.k = st.v = keys
+    st.pos, st.n_seen = torch.arange(keys.shape[1]), keys.shape[1]
+    method.finish_prefill(st)  # keeps sinks + recent window in st.pos, trains the codebooks
+    method.await_background(st)
+    method.close()
+    resident = torch.zeros(keys.shape[:2], dtype=torch.bool)
+    resident[:, st.pos] = True
+    return [resident.scatter(1, method.select(st, q[:, None]), True) for q in queries]
+
+
+def omnikv_selections(data: dict, budget: int, spec: ModelSpec) -> dict:
+    """OmniKV's selection per captured layer (reference/baselines.md §1.4, §1.8): ``{layer id:
+    (role, sets)}`` with ``sets`` a list over steps of the ``budget`` prompt positions shared by all
+    heads, or ``None`` (everything) for the dense layers before the first filter layer.
+
+    Filter layers and roles are :class:`baselines.omnikv.OmniKV`'s (official ``2, 8, 18`` of 32
+    layers scaled to the depth: SmolLM2's 30 -> ``2, 8, 17``; one dense "wait" layer after each).
+    At filter layer ``f``, ``select_tokens`` takes the top-``B`` of the max over all query heads of
+    ``f``'s logits (selector ``last``); every later layer up to the next filter layer uses that set.
+    Unlike the method, which attends everything at filter and wait layers, the set is also applied
+    there (role ``filter``/``wait``), so ``omnikv`` measures the selection at every budgeted layer;
+    layers whose filter layer was not captured are left out.
+    """
+    method = OmniKV(budget=budget)
+    method.bind(spec)
+    chosen = {layer: [select_tokens(q[:, None], keys, spec.scaling, budget, method.selector) for q in queries]
+              for layer, keys, queries in zip(data["layers"], data["keys"], data["queries"])
+              if method.roles[layer][0] == "filter"}
+    out = {}
+    for layer in data["layers"]:
+        role, f = method.roles[layer]
+        if role == "dense" or f in chosen:
+            out[layer] = (role, None if role == "dense" else chosen[f])
+    return out
+
+
 def recall(data: dict, budgets, cfg: DCIConfig) -> dict:
     """Attention-mass recall per budget and selector over every layer, step and query head."""
     values: dict[int, dict[str, list]] = {b: {} for b in budgets}
-    for keys, queries in zip(data["keys"], data["queries"]):
+    spec = model_spec(data)
+    omni = {b: omnikv_selections(data, b, spec) for b in budgets}
+    for layer, keys, queries in zip(data["layers"], data["keys"], data["queries"]):
         heads, n, dim = keys.shape
         k64 = keys.double()
         built = {}
@@ -255,11 +326,20 @@ def recall(data: dict, budgets, cfg: DCIConfig) -> dict:
             lo, hi = n_s * PAGE, n - n_w * PAGE
             if (lo, hi) not in built:
                 built[lo, hi] = variants(MDCIIndex.build(keys[:, lo:hi], torch.arange(lo, hi), cfg))
-            for q in queries:
+            pq = pqcache_masks(keys, queries, layer, b, spec)
+            role, omni_sets = omni[b].get(layer, (None, None))
+            for step, q in enumerate(queries):
                 group = q.shape[0] // heads
                 logits = torch.einsum("hrd,hnd->hrn", q.double().view(heads, group, dim), k64)
                 probs = (logits / math.sqrt(dim)).softmax(-1).reshape(heads * group, n)
                 masks = selector_masks(keys, q, probs, built[lo, hi], n_s, n_w, k)
+                masks["pqcache"] = pq[step]
+                if role is not None:  # dense layers attend everything
+                    omni_mask = torch.ones(heads, n, dtype=torch.bool) if omni_sets is None else \
+                        torch.zeros(heads, n, dtype=torch.bool).index_fill_(1, omni_sets[step], True)
+                    masks["omnikv"] = omni_mask
+                    if role == "sparse":
+                        masks["omnikv_sparse"] = omni_mask
                 for name, mask in masks.items():
                     per_q = (probs * mask.repeat_interleave(group, 0)).sum(-1)
                     values[b].setdefault(name, []).extend(per_q.tolist())
@@ -313,9 +393,9 @@ def main(argv=None) -> dict:
     keys0, queries0 = data["keys"][args.layer], data["queries"][args.layer]
     print(f"M-DCI index benchmark on {src}: {len(data['keys'])} layer(s), "
           f"H_kv={keys0.shape[0]}, H_q={queries0.shape[1]}, d={keys0.shape[2]}, n={keys0.shape[1]}")
-    print(f"timing per layer (K={K_TIMING} pages), {args.threads} threads:")
     sizes = {}
-    if args.sizes:
+    if args.sizes:  # --sizes '' skips the timing
+        print(f"timing per layer (K={K_TIMING} pages), {args.threads} threads:")
         sizes = time_sizes(keys0, queries0, [int(s) for s in args.sizes.split(",")], cfg, args.repeats)
     budgets = [int(b) for b in args.budgets.split(",")]
     rec = recall(data, budgets, cfg)
