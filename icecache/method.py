@@ -288,12 +288,13 @@ class IceCache(KVMethod):
             return Fetched(st.k, st.v)
         heads, pages, slots = self.assign_slots(st, selection)
         st.step_bytes = 0
-        if len(heads):
-            positions = self.page_source(st).index.page_table[heads, pages]
+        if heads.size:
+            positions = self.page_source(st).index.page_abs[heads, pages]  # numpy [N, s]
             k, v = st.store.bulk_load(heads, positions)
-            dev_heads, dev_slots = heads.to(st.slot_k.device), slots.to(st.slot_k.device)
+            dev = st.slot_k.device
+            dev_heads, dev_slots = torch.from_numpy(heads).to(dev), torch.from_numpy(slots).to(dev)
             st.slot_k[dev_heads, dev_slots], st.slot_v[dev_heads, dev_slots] = k, v
-            st.slot_tokens[heads, slots] = positions
+            st.slot_tokens.numpy()[heads, slots] = positions
             st.step_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         st.bytes_moved += st.step_bytes
         return self.resident_kv(st)
@@ -302,7 +303,7 @@ class IceCache(KVMethod):
     def assign_slots(st: IceState, selection: torch.Tensor):
         """Keeps selected pages already resident in their slots, frees the others and gives the missing
         pages free slots (lowest free slot first); returns the ``(heads, pages, slots)`` to load
-        (LongTensors, possibly empty). Vectorised over KV heads in numpy (the arrays are tiny and torch's
+        (int64 numpy arrays, possibly empty). Vectorised over KV heads in numpy (the arrays are tiny and torch's
         per-op overhead dominated): ``selection [H_kv, K']``, -1 padded, distinct ids per head."""
         held, want = st.slot_page.numpy(), selection.numpy()  # views: ``held`` is updated in place
         keep = (held[:, :, None] == want[:, None, :]).any(-1) & (held >= 0)
@@ -314,7 +315,7 @@ class IceCache(KVMethod):
         slots = free.nonzero()[1]  # row-major, so aligned with (heads, col) head by head
         pages = want[heads, col]
         held[heads, slots] = pages
-        return torch.from_numpy(heads), torch.from_numpy(pages), torch.from_numpy(slots)
+        return heads, pages, slots
 
     def resident_kv(self, st: IceState) -> Fetched:
         """The resident buffer in place: sink + page slots + window (current token included), the empty

@@ -18,6 +18,7 @@ gathers *its own* K/V in the anchor's page layout from the same positions. On a 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -59,24 +60,27 @@ class OffloadStore:
         self.data[1, :, self.n: self.n + m] = v.detach().to("cpu")
         self.n += m
 
-    def _rows(self, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row ids into the ``[H_kv * capacity]`` flattening of the store (empty slots read row 0)."""
+    def _rows(self, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Row ids into the ``[H_kv * capacity]`` flattening of the store (empty slots read row 0); index
+        arithmetic in numpy, whose per-call cost on these few hundred ids is far below torch's."""
         used = positions[positions >= 0]
-        if used.numel() and (int(used.min()) < self.first_pos or int(used.max()) >= self.end_pos):
-            raise IndexError(f"positions {int(used.min())}..{int(used.max())} are not all in the offload store "
+        if used.size and (used.min() < self.first_pos or used.max() >= self.end_pos):
+            raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "
                              f"({self.first_pos}..{self.end_pos - 1})")
-        local = (positions - self.first_pos).clamp_min(0)
-        return heads[:, None] * self.data.shape[2] + local
+        local = np.maximum(positions - self.first_pos, 0)
+        return torch.from_numpy((heads[:, None] * self.data.shape[2] + local).ravel())
 
-    def bulk_load(self, heads: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def bulk_load(self, heads, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Packs the pages ``positions [N, s]`` (absolute ids, -1 = empty slot) of KV heads ``heads [N]``
-        into the transit buffer, copies it to the device in one transfer and returns the device views
-        ``k, v: [N, s, d]`` (empty slots hold arbitrary values: the caller masks them)."""
+        (numpy arrays or CPU LongTensors) into the transit buffer, copies it to the device in one transfer
+        and returns the device views ``k, v: [N, s, d]`` (empty slots hold arbitrary values: the caller
+        masks them)."""
+        heads, positions = np.asarray(heads, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         n_blocks = positions.shape[0]
         if n_blocks > self.transit.shape[1]:
             raise ValueError(f"{n_blocks} pages requested, transit buffer holds {self.transit.shape[1]}")
         d = self.data.shape[3]
-        rows = self._rows(heads.cpu(), positions.cpu()).flatten()
+        rows = self._rows(heads, positions)
         stored = self.data.view(2, -1, d)
         used = self.transit[:, :n_blocks]
         for kv in range(2):  # all Ks, then all Vs, straight into the (pinned) transit buffer
