@@ -208,20 +208,23 @@ class IceCache(KVMethod):
         self.window_write(st, k[:, w0:], v[:, w0:])
         st.slot_page = torch.full((h, self.n_slots), -1, dtype=torch.long)
         st.slot_tokens = torch.full((h, self.n_slots, s), -1, dtype=torch.long)
+        k_buf, v_buf = st.buffers.pop("k"), st.buffers.pop("v")  # row p = position p (nothing evicted yet)
         st.k = st.v = st.pos = None
         st.offloaded = True
-        job = (self.offload_job, st, k[:, first:w0], v[:, first:w0], first)
+        job = (self.offload_job, st, k_buf, v_buf, first, w0)
         if background:
             self.submit_background(st, *job)
         else:
             job[0](*job[1:])
 
-    def offload_job(self, st: IceState, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
-        """Background job: offloaded K/V into the store, then (anchors) the M-DCI build over their keys."""
-        st.store = OffloadStore(k, v, first, k.device, k.shape[0] * self.n_slots, self.page_size)
+    def offload_job(self, st: IceState, k_buf: torch.Tensor, v_buf: torch.Tensor, first: int, end: int) -> None:
+        """Background job: positions ``first .. end - 1`` of the prefill buffers become the offload store
+        (taken over without a copy on CPU, copied to pinned host memory on CUDA), then (anchors) the M-DCI
+        index is built over their keys."""
+        st.store = OffloadStore.adopt(k_buf, v_buf, first, end, k_buf.device, k_buf.shape[0] * self.n_slots,
+                                      self.page_size)
         if self.builds_index(st.layer_idx):
-            keys = st.store.data[0, :, : st.store.n]
-            st.index = MDCIIndex.build(keys, torch.arange(first, first + st.store.n), self.dci_config())
+            st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), self.dci_config())
 
     # ------------------------------------------------------------------ decode (§4)
     def append(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:

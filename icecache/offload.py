@@ -23,42 +23,71 @@ import torch
 
 
 class OffloadStore:
-    """Host-memory K/V ``[2, H_kv, capacity, d]`` of positions ``first_pos ..`` of one layer."""
+    """Host-memory K/V ``k_data, v_data: [H_kv, capacity, d]`` of one layer; row ``r`` holds position
+    ``base_pos + r``, and positions ``first_pos .. end_pos - 1`` are the stored (offloaded) ones.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, first_pos: int, device: torch.device, max_blocks: int,
-                 page_size: int):
-        """``k, v: [H_kv, n, d]`` (any device) hold positions ``first_pos .. first_pos + n - 1``; the
-        transit buffers hold up to ``max_blocks`` (head, page) blocks of ``page_size`` tokens."""
+    Two ways to make one: :meth:`copy_of` copies K/V into new host memory (pinned when the model runs on
+    CUDA), and :meth:`adopt` takes over a layer's prefill buffers without a copy when they already live in
+    host memory (CPU runs), so a long prompt's K/V are not held twice."""
+
+    def __init__(self, k_data: torch.Tensor, v_data: torch.Tensor, base_pos: int, first_pos: int, end_pos: int,
+                 device: torch.device, max_blocks: int, page_size: int):
+        """Use :meth:`copy_of` or :meth:`adopt`. ``k_data, v_data`` are contiguous host buffers."""
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
-        h, n, d = k.shape
-        self.first_pos, self.n = first_pos, 0
-        self.data = self._alloc((2, h, max(2 * n, 64), d), k.dtype)
-        self.append(k, v)
-        self.transit = self._alloc((2, max_blocks, page_size, d), k.dtype)
+        self.k_data, self.v_data = k_data, v_data
+        self.base_pos, self.first_pos, self.end_pos = base_pos, first_pos, end_pos
+        d = k_data.shape[2]
+        self.transit = self._alloc((2, max_blocks, page_size, d), k_data.dtype)
         self.device_transit = torch.empty_like(self.transit, device=self.device)
         self.stream = torch.cuda.Stream(self.device) if self.pin else None
         self.bytes_moved = 0
+
+    @classmethod
+    def copy_of(cls, k: torch.Tensor, v: torch.Tensor, first_pos: int, device, max_blocks: int,
+                page_size: int) -> "OffloadStore":
+        """A store holding a host copy of ``k, v: [H_kv, n, d]`` (any device) = positions ``first_pos ..``."""
+        pin = torch.device(device).type == "cuda"
+        h, n, d = k.shape
+        k_data, v_data = (torch.empty((h, max(2 * n, 64), d), dtype=k.dtype, pin_memory=pin) for _ in range(2))
+        k_data[:, :n], v_data[:, :n] = k.detach().to("cpu"), v.detach().to("cpu")
+        return cls(k_data, v_data, first_pos, first_pos, first_pos + n, device, max_blocks, page_size)
+
+    @classmethod
+    def adopt(cls, k_buf: torch.Tensor, v_buf: torch.Tensor, first_pos: int, end_pos: int, device,
+              max_blocks: int, page_size: int) -> "OffloadStore":
+        """A store of positions ``first_pos .. end_pos - 1`` of the buffers ``[H_kv, capacity, d]`` whose
+        row ``p`` is position ``p`` (a layer's prefill buffers). Host buffers of a CPU run are taken over
+        as they are (the rows before ``first_pos`` stay unused); otherwise the range is copied."""
+        if torch.device(device).type == "cpu" and k_buf.device.type == "cpu" and k_buf.is_contiguous() \
+                and v_buf.is_contiguous():
+            return cls(k_buf, v_buf, 0, first_pos, end_pos, device, max_blocks, page_size)
+        return cls.copy_of(k_buf[:, first_pos:end_pos], v_buf[:, first_pos:end_pos], first_pos, device,
+                           max_blocks, page_size)
 
     def _alloc(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
 
     @property
-    def end_pos(self) -> int:
-        """One past the last stored position."""
-        return self.first_pos + self.n
+    def n(self) -> int:
+        """Stored positions."""
+        return self.end_pos - self.first_pos
+
+    def keys(self) -> torch.Tensor:
+        """``[H_kv, n, d]`` view of the stored keys (positions ``first_pos .. end_pos - 1``)."""
+        return self.k_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores ``k, v: [H_kv, m, d]`` at the next ``m`` positions (capacity doubles when full)."""
-        m = k.shape[1]
-        if self.n + m > self.data.shape[2]:
-            grown = self._alloc((*self.data.shape[:2], max(2 * self.data.shape[2], self.n + m), self.data.shape[3]),
-                                self.data.dtype)
-            grown[:, :, : self.n] = self.data[:, :, : self.n]
-            self.data = grown
-        self.data[0, :, self.n: self.n + m] = k.detach().to("cpu")
-        self.data[1, :, self.n: self.n + m] = v.detach().to("cpu")
-        self.n += m
+        m, row = k.shape[1], self.end_pos - self.base_pos
+        if row + m > self.k_data.shape[1]:
+            h, cap, d = self.k_data.shape
+            grown = [self._alloc((h, max(2 * cap, row + m), d), self.k_data.dtype) for _ in range(2)]
+            grown[0][:, :row], grown[1][:, :row] = self.k_data[:, :row], self.v_data[:, :row]
+            self.k_data, self.v_data = grown
+        self.k_data[:, row: row + m] = k.detach().to("cpu")
+        self.v_data[:, row: row + m] = v.detach().to("cpu")
+        self.end_pos += m
 
     def _rows(self, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Row ids into the ``[H_kv * capacity]`` flattening of the store (empty slots read row 0); index
@@ -67,8 +96,8 @@ class OffloadStore:
         if used.size and (used.min() < self.first_pos or used.max() >= self.end_pos):
             raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "
                              f"({self.first_pos}..{self.end_pos - 1})")
-        local = np.maximum(positions - self.first_pos, 0)
-        return torch.from_numpy((heads[:, None] * self.data.shape[2] + local).ravel())
+        local = np.maximum(positions - self.base_pos, 0)
+        return torch.from_numpy((heads[:, None] * self.k_data.shape[1] + local).ravel())
 
     def bulk_load(self, heads, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Packs the pages ``positions [N, s]`` (absolute ids, -1 = empty slot) of KV heads ``heads [N]``
@@ -79,12 +108,11 @@ class OffloadStore:
         n_blocks = positions.shape[0]
         if n_blocks > self.transit.shape[1]:
             raise ValueError(f"{n_blocks} pages requested, transit buffer holds {self.transit.shape[1]}")
-        d = self.data.shape[3]
+        d = self.k_data.shape[2]
         rows = self._rows(heads, positions)
-        stored = self.data.view(2, -1, d)
         used = self.transit[:, :n_blocks]
-        for kv in range(2):  # all Ks, then all Vs, straight into the (pinned) transit buffer
-            torch.index_select(stored[kv], 0, rows, out=used[kv].view(-1, d))
+        for kv, data in enumerate((self.k_data, self.v_data)):  # all Ks, then all Vs, into the transit buffer
+            torch.index_select(data.view(-1, d), 0, rows, out=used[kv].view(-1, d))
         dev = self.device_transit[:, :n_blocks]
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # last step's scatter read it

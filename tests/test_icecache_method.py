@@ -287,7 +287,7 @@ def test_resident_set_stays_within_budget_over_a_long_generation(method, prompt)
 # ------------------------------------------------------------------------------------ offload store
 def test_bulk_load_packs_pages_in_one_transfer():
     k, v = torch.randn(2, 40, D), torch.randn(2, 40, D)
-    store = OffloadStore(k[:, :30], v[:, :30], first_pos=10, device=torch.device("cpu"), max_blocks=4, page_size=4)
+    store = OffloadStore.copy_of(k[:, :30], v[:, :30], first_pos=10, device="cpu", max_blocks=4, page_size=4)
     store.append(k[:, 30:], v[:, 30:])  # positions 40..49
     positions = torch.tensor([[10, 12, 49, -1], [45, 11, -1, -1]])
     heads = torch.tensor([1, 0])
@@ -301,6 +301,26 @@ def test_bulk_load_packs_pages_in_one_transfer():
         store.bulk_load(torch.tensor([0]), torch.tensor([[50, -1, -1, -1]]))
     with pytest.raises(ValueError):
         store.bulk_load(torch.zeros(5, dtype=torch.long), torch.full((5, 4), 10))
+
+
+def test_cpu_store_adopts_the_prefill_buffers_without_a_copy():
+    """On CPU the prefill buffers (row p = position p) become the store as they are; loads read the
+    right rows, positions outside ``first .. end - 1`` are refused, and appends grow past the capacity."""
+    k_buf, v_buf = torch.randn(2, 24, D), torch.randn(2, 24, D)
+    store = OffloadStore.adopt(k_buf, v_buf, first_pos=4, end_pos=20, device="cpu", max_blocks=4, page_size=4)
+    assert store.k_data.data_ptr() == k_buf.data_ptr() and store.n == 16
+    torch.testing.assert_close(store.keys(), k_buf[:, 4:20])
+    with pytest.raises(IndexError):
+        store.bulk_load(torch.tensor([0]), torch.tensor([[3, 4, 5, 6]]))
+    new_k, new_v = torch.randn(2, 8, D), torch.randn(2, 8, D)
+    store.append(new_k, new_v)  # positions 20..27: past the 24 rows, so the buffers grow
+    assert store.end_pos == 28 and store.k_data.shape[1] >= 28
+    got_k, got_v = store.bulk_load(torch.tensor([1, 0]), torch.tensor([[4, 19, 27, -1], [21, 5, -1, -1]]))
+    torch.testing.assert_close(got_k[0, :3], torch.stack([k_buf[1, 4], k_buf[1, 19], new_k[1, 7]]))
+    torch.testing.assert_close(got_v[1, :2], torch.stack([new_v[0, 1], v_buf[0, 5]]))
+    copied = OffloadStore.adopt(k_buf[:, ::2], v_buf[:, ::2], 2, 8, "cpu", 4, 4)  # not contiguous: copied
+    assert copied.k_data.data_ptr() != k_buf.data_ptr()
+    torch.testing.assert_close(copied.keys(), k_buf[:, ::2][:, 2:8])
 
 
 # ------------------------------------------------------------------------------ SmolLM2 integration
