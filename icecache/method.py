@@ -45,7 +45,8 @@ tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as g
 option the reference lists, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
 
 Accounting: :meth:`resident_tokens` counts the device-side resident set of a budgeted layer, sink +
-every retrieved slot's capacity + window (at most ``B - 1`` past tokens between steps); the offload
+every retrieved slot's capacity + window (at most ``B`` tokens between steps; at attention at most
+``B - 1`` past tokens plus the current one, since a full window evicts before the new token); the offload
 store is not resident. ``state.bytes_moved`` (total) and ``state.step_bytes`` (last step) count the
 bytes copied from the store to the device.
 """
@@ -247,8 +248,9 @@ class IceCache(KVMethod):
         st.win_start, st.win_len = st.win_start + s, st.win_len - s
         self.mark_stale(st, self.insert_evicted(st, k, positions))
 
-    def window_slots(self, st: IceState, positions: torch.Tensor) -> torch.Tensor:
-        """Indices into ``res_*`` of window positions (ring of ``n_window_pages`` pages)."""
+    def window_slots(self, st: IceState, positions):
+        """Indices into ``res_*`` of window positions (ring of ``n_window_pages`` pages); a LongTensor of
+        positions gives a LongTensor, one int position gives an int."""
         s = self.page_size
         return st.win_offset + (positions // s) % self.n_window_pages * s + positions % s
 
@@ -256,8 +258,7 @@ class IceCache(KVMethod):
         """Writes ``k, v [H_kv, m, d]`` at the next ``m`` window positions."""
         start = st.win_start + st.win_len
         if k.shape[1] == 1:  # a decode step: one slot, plain indexing
-            s = self.page_size
-            slot = st.win_offset + (start // s) % self.n_window_pages * s + start % s
+            slot = self.window_slots(st, start)
             st.res_k[:, slot], st.res_v[:, slot], st.res_valid[:, slot] = k[:, 0], v[:, 0], True
         else:
             slots = self.window_slots(st, torch.arange(start, start + k.shape[1])).to(st.res_k.device)

@@ -94,3 +94,13 @@ def test_recall_reports_new_selectors(data):
     rec = bench.recall(data, [64], DCIConfig())["64"]
     for name in ("pqcache", "omnikv", "omnikv_sparse"):
         assert 0.0 < rec[name]["p10"] <= rec[name]["p50"] <= 1.0 + 1e-9
+
+
+def test_timing_rows_carry_the_issue_schema():
+    """``bench_index.json`` sizes rows hold ``icecache: {build_ms, query_ms, insert_ms}`` and
+    ``brute_force: {query_ms}`` (the performance issue's schema) next to the wall/CPU details."""
+    small = bench.synthetic(n=512, steps=2)
+    row = bench.time_sizes(small["keys"][0], small["queries"][0], [512], DCIConfig(), repeats=2)["512"]
+    assert set(row["icecache"]) == {"build_ms", "query_ms", "insert_ms"}
+    assert row["icecache"]["query_ms"] == row["query"]["wall_ms"] > 0
+    assert row["brute_force"]["query_ms"] == min(row["brute_bf16"]["wall_ms"], row["brute_fp32"]["wall_ms"])
