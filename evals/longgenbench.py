@@ -6,7 +6,10 @@ arXiv 2409.02076; mozhu621/LongGenBench at ``62c0e86``): the model writes one lo
 Generation (``Evalution/inference.py``): the item's raw ``prompt`` without a chat template (it ends with
 ``"*** started ***\\n" + prefix``), stop string ``"*** finished"``, at most 16,000 (short) / 32,000 (long)
 new tokens; the harness caps that at ``max_length - prompt tokens`` and records both numbers in the
-sample's meta. The official sampling (temperature 0.95, top-p 0.95) is the runner's business; the harness
+sample's meta. ``max_new_tokens`` (default ``null`` = the official budget) caps generation further for smoke
+runs on slow hardware; the cap is recorded in each sample's meta and in ``metrics.json``, and a capped run
+scores only the units written before the cap (lower completion rate, fewer judged checks), so its numbers
+are not comparable with the paper's. The official sampling (temperature 0.95, top-p 0.95) is the runner's business; the harness
 decodes greedily.
 
 Scoring (``Evalution/eval.py``): ``output = prefix + generated text`` is split on ``"#*#"``; the first block
@@ -65,17 +68,23 @@ def task_name(unit_type: str) -> str:
 class LongGenBench(Suite):
     """LongGenBench (Wu et al.). Options: ``subset`` (short = Dataset_short.json, 16K; long =
     Dataset_long.json, 32K), ``types`` (a subset of the item types, e.g. ``[Week, Floor]``; default all),
-    ``judge_model`` (a name recorded with the results; ``null`` = the model under test).
+    ``judge_model`` (a name recorded with the results; ``null`` = the model under test), ``max_new_tokens``
+    (a cap below the official generation budget for smoke runs; ``null`` = official).
     ``limit`` caps the items per type. Sample ids: ``<subset>-<item index in the file>``."""
 
     name = "longgenbench"
     needs_data = True
 
-    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = None, **common):
+    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = None,
+                 max_new_tokens: int | None = None, **common):
         super().__init__(tokenizer, **common)
         if subset not in MAX_NEW_TOKENS:
             raise ValueError(f"longgenbench subset must be one of {sorted(MAX_NEW_TOKENS)}, got {subset!r}")
+        if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"longgenbench max_new_tokens must be a positive integer or null (the official "
+                             f"{MAX_NEW_TOKENS[subset]}), got {max_new_tokens!r}")
         self.subset = subset
+        self.max_new_tokens_cap = max_new_tokens
         self.types = list(types) if types else None
         self.judge_model = judge_model
         self.path = self.require_file(f"longgenbench/Dataset_{subset}.json")
@@ -114,11 +123,17 @@ class LongGenBench(Suite):
                 raise ValueError(f"longgenbench item {index}: the prompt has {len(ids)} tokens, no room to "
                                  f"generate within max_length={self.max_length}")
             yield Sample(id=f"{self.subset}-{index}", task=task_name(kind), prompt_ids=ids,
-                         max_new_tokens=min(MAX_NEW_TOKENS[self.subset], room), stop=[STOP],
+                         max_new_tokens=min(self.generation_budget(), room), stop=[STOP],
                          reference={key: item[key] for key in FIELDS if key != "prompt"},
                          meta={"subset": self.subset, "type": kind, "number": item["number"],
                                "official_max_new_tokens": MAX_NEW_TOKENS[self.subset],
+                               "max_new_tokens_cap": self.max_new_tokens_cap,
                                "judge_model": self.judge_model or "model under test"})
+
+    def generation_budget(self) -> int:
+        """The official new-token budget of the subset, or the smaller ``max_new_tokens`` cap when given."""
+        official = MAX_NEW_TOKENS[self.subset]
+        return official if self.max_new_tokens_cap is None else min(official, self.max_new_tokens_cap)
 
     def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
         """Judged checks of one item: ``<kind>_yes`` / ``<kind>_judged`` counts, its completion rate (0-100),
@@ -150,6 +165,7 @@ class LongGenBench(Suite):
                 "completion_rate": sum(s["completion_rate"] for s in scores) / len(scores) if scores else 0.0,
                 "accuracy_once": acc["once"], "accuracy_range": acc["range"], "accuracy_periodic": acc["periodic"],
                 "tasks": tasks, "subset": self.subset, "judge_model": self.judge_model or "model under test",
+                "max_new_tokens": self.generation_budget(), "official_max_new_tokens": MAX_NEW_TOKENS[self.subset],
                 "n_samples": len(rows)}
 
 

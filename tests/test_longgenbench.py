@@ -99,6 +99,7 @@ def test_aggregate_pools_checks_across_items(suite):
     assert out["completion_rate"] == pytest.approx((75 + 25 + 100) / 3)
     assert out["tasks"] == {"floor": pytest.approx(100 / 3), "week": pytest.approx(100 * (2 / 3 + 1 / 2 + 1 / 3) / 3)}
     assert out["judge_model"] == "judge-x" and out["n_samples"] == 3
+    assert out["max_new_tokens"] == out["official_max_new_tokens"] == 16000
 
 
 @needs_data
@@ -127,6 +128,13 @@ def test_types_limit_and_capped_generation(tokenizer):
     assert [s.task for s in samples] == ["floor"] * 3
     assert [s.id for s in samples] == [s.id for s in suite.samples()]  # stable
     assert all(s.max_new_tokens == 8192 - len(s.prompt_ids) for s in samples)
+    capped = list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Floor"], limit=3, max_length=8192,
+                               max_new_tokens=300).samples())
+    assert [s.max_new_tokens for s in capped] == [300] * 3
+    assert capped[0].meta["max_new_tokens_cap"] == 300 and capped[0].meta["official_max_new_tokens"] == 16000
+    assert samples[0].meta["max_new_tokens_cap"] is None
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        LongGenBench(tokenizer, data_dir=DATA_DIR, max_new_tokens=0)
     with pytest.raises(ValueError, match="not in"):
         list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Day"]).samples())
     with pytest.raises(ValueError, match="subset"):
