@@ -22,6 +22,11 @@ import numpy as np
 import torch
 
 
+def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host buffer, page-locked (pinned) when ``pin`` (the model runs on CUDA)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
 class OffloadStore:
     """Host-memory K/V ``k_data, v_data: [H_kv, capacity, d]`` of one layer; row ``r`` holds position
     ``base_pos + r``, and positions ``first_pos .. end_pos - 1`` are the stored (offloaded) ones.
@@ -38,7 +43,7 @@ class OffloadStore:
         self.k_data, self.v_data = k_data, v_data
         self.base_pos, self.first_pos, self.end_pos = base_pos, first_pos, end_pos
         d = k_data.shape[2]
-        self.transit = self._alloc((2, max_blocks, page_size, d), k_data.dtype)
+        self.transit = host_empty((2, max_blocks, page_size, d), k_data.dtype, self.pin)
         self.device_transit = torch.empty_like(self.transit, device=self.device)
         self.stream = torch.cuda.Stream(self.device) if self.pin else None
         self.bytes_moved = 0
@@ -49,7 +54,7 @@ class OffloadStore:
         """A store holding a host copy of ``k, v: [H_kv, n, d]`` (any device) = positions ``first_pos ..``."""
         pin = torch.device(device).type == "cuda"
         h, n, d = k.shape
-        k_data, v_data = (torch.empty((h, max(2 * n, 64), d), dtype=k.dtype, pin_memory=pin) for _ in range(2))
+        k_data, v_data = (host_empty((h, max(2 * n, 64), d), k.dtype, pin) for _ in range(2))
         k_data[:, :n], v_data[:, :n] = k.detach().to("cpu"), v.detach().to("cpu")
         return cls(k_data, v_data, first_pos, first_pos, first_pos + n, device, max_blocks, page_size)
 
@@ -65,9 +70,6 @@ class OffloadStore:
         return cls.copy_of(k_buf[:, first_pos:end_pos], v_buf[:, first_pos:end_pos], first_pos, device,
                            max_blocks, page_size)
 
-    def _alloc(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-
     @property
     def n(self) -> int:
         """Stored positions."""
@@ -82,7 +84,7 @@ class OffloadStore:
         m, row = k.shape[1], self.end_pos - self.base_pos
         if row + m > self.k_data.shape[1]:
             h, cap, d = self.k_data.shape
-            grown = [self._alloc((h, max(2 * cap, row + m), d), self.k_data.dtype) for _ in range(2)]
+            grown = [host_empty((h, max(2 * cap, row + m), d), self.k_data.dtype, self.pin) for _ in range(2)]
             grown[0][:, :row], grown[1][:, :row] = self.k_data[:, :row], self.v_data[:, :row]
             self.k_data, self.v_data = grown
         self.k_data[:, row: row + m] = k.detach().to("cpu")
