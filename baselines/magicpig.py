@@ -36,15 +36,10 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
+from icecache.offload import to_store
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
 OFFICIAL_DEPTH = 32
-
-
-def to_store(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
-    host = x.detach().to("cpu", copy=True)
-    return host.pin_memory() if x.is_cuda else host
 
 
 # ---------------------------------------------------------------------------------------- SimHash

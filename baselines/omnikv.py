@@ -32,6 +32,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits
+from icecache.offload import to_store
 
 OFFICIAL_FILTER_LAYERS = (2, 8, 18)  # configs/example.json, for 32-layer Llama-3-8B
 OFFICIAL_DEPTH = 32
@@ -61,12 +62,6 @@ def select_tokens(q: torch.Tensor, k: torch.Tensor, scaling: float, n_select: in
         scores = torch.softmax(scores, dim=-1)
     scores = scores.max(dim=0).values
     return scores.topk(min(n_select, scores.shape[0])).indices.sort().values
-
-
-def to_store(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
-    host = x.detach().to("cpu", copy=True)
-    return host.pin_memory() if x.is_cuda else host
 
 
 class OmniState(LayerState):

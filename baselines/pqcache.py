@@ -30,12 +30,7 @@ from typing import ClassVar
 import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-
-
-def to_store(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` in the offload store: host memory, pinned when the model runs on CUDA."""
-    host = x.detach().to("cpu", copy=True)
-    return host.pin_memory() if x.is_cuda else host
+from icecache.offload import to_store
 
 
 def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:

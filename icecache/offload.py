@@ -27,6 +27,12 @@ def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
+def to_store(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``x`` for a baseline's offload store, pinned when the model runs on CUDA."""
+    host = x.detach().to("cpu", copy=True)
+    return host.pin_memory() if x.is_cuda else host
+
+
 class OffloadStore:
     """Host-memory K/V ``k_data, v_data: [H_kv, capacity, d]`` of one layer; row ``r`` holds position
     ``base_pos + r``, and positions ``first_pos .. end_pos - 1`` are the stored (offloaded) ones.
