@@ -9,8 +9,8 @@ new tokens; the harness caps that at ``max_length - prompt tokens`` and records 
 sample's meta. ``max_new_tokens`` (default ``null`` = the official budget) caps generation further for smoke
 runs on slow hardware; the cap is recorded in each sample's meta and in ``metrics.json``, and a capped run
 scores only the units written before the cap (lower completion rate, fewer judged checks), so its numbers
-are not comparable with the paper's. The official sampling (temperature 0.95, top-p 0.95) is the runner's business; the harness
-decodes greedily.
+are not comparable with the paper's. The official sampling (temperature 0.95, top-p 0.95) is the runner's
+business; the harness decodes greedily.
 
 Scoring (``Evalution/eval.py``): ``output = prefix + generated text`` is split on ``"#*#"``; the first block
 matching ``"{type} (\\d+)"`` is unit ``\\d+``'s block. For every check (``checks_once``, ``checks_range``,
