@@ -59,10 +59,13 @@ def _stop_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_tokens: int,
              decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
-             stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False) -> Generation:
+             stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False,
+             prefilled=None) -> Generation:
     """Greedy generation of one sample with a fresh cache of ``method``. Generation ends at EOS or one
     of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
-    ``max_new_tokens``."""
+    ``max_new_tokens``. ``prefilled`` (an :class:`evals.bench.ablation.Prefilled` of ``prompt_ids``)
+    replays a captured prefill instead of running it -- for ablations that decode one prompt under many
+    configurations; its TTFT then excludes the prefill."""
     device = next(model.parameters()).device
     compat.enable_attention(model)
     cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
@@ -78,7 +81,10 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     try:
         start = _now(device)
         cache.begin_prefill()
-        logits = model(torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1, **kw).logits
+        if prefilled is None:
+            logits = model(torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1, **kw).logits
+        else:
+            logits = prefilled.replay(cache, prompt_ids)
         for tok in decode_ids:  # e.g. the passkey question, answered by the query-aware cache
             cache.begin_step()
             logits = model(torch.tensor([[tok]], device=device), use_cache=True, **kw).logits

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
+from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.offload import OffloadStore
 
@@ -118,6 +119,7 @@ class IceCache(KVMethod):
     budget_layout: str = "auto"
     n_dense_layers: int = 2
     gqa_merge: str = "interleaved"
+    gqa_candidates: int = 0
     always_index: bool = False
     ratio_1: float = 0.01
     ratio_2: float = 0.2
@@ -141,8 +143,10 @@ class IceCache(KVMethod):
     def check_budget(self) -> None:
         if self.budget_layout not in ("auto", "fixed"):
             raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
-        if self.gqa_merge not in ("interleaved", "union"):
-            raise ValueError(f"{self.name}: gqa_merge must be 'interleaved' or 'union', got {self.gqa_merge!r}")
+        if self.gqa_merge not in MERGE_MODES:
+            raise ValueError(f"{self.name}: gqa_merge must be one of {MERGE_MODES}, got {self.gqa_merge!r}")
+        if self.gqa_candidates < 0:
+            raise ValueError(f"{self.name}: gqa_candidates must be >= 0 (0 = group * K), got {self.gqa_candidates}")
         if self.n_window_pages < 2 or self.n_sink_pages < 0 or self.page_size < 2:
             raise ValueError(f"{self.name}: needs n_window_pages >= 2 (official assertion), n_sink_pages >= 0 "
                              "and page_size >= 2")
@@ -282,8 +286,14 @@ class IceCache(KVMethod):
         """Page ids ``[H_kv, W]`` (-1 padded) for this step, or None (dense / not yet offloaded)."""
         if not st.offloaded:
             return None
-        pages = st.index.search(q[:, 0].float().cpu(), self.layout()[2], n_seq=st.n_seen)
-        st.selection = merge_gqa(pages, self.spec.group, self.layout()[2], mode=self.gqa_merge)
+        k, queries = self.layout()[2], q[:, 0].float().cpu()
+        if self.gqa_merge in SCORED_MODES:
+            n_cand = max(k, self.gqa_candidates or self.spec.group * k)
+            pages, scores = st.index.search_scored(queries, k, n_cand, n_seq=st.n_seen)
+            st.selection = merge_gqa(pages, self.spec.group, k, self.gqa_merge, scores, self.spec.scaling)
+        else:
+            pages = st.index.search(queries, k, n_seq=st.n_seen)
+            st.selection = merge_gqa(pages, self.spec.group, k, mode=self.gqa_merge)
         st.selected_at = st.n_seen
         return st.selection
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -324,3 +326,80 @@ def test_single_level_tree_and_small_inputs():
     check_invariants(index)
     res = index.search(torch.randn(2, D), k_pages=10)
     assert ((res >= 0).sum(1) == index.n_pages).all()
+
+
+def _group_merge_reference(pages, scores, group, k, mode, scaling):
+    """Direct reference of the score merges: per query head the softmax over its listed pages (mass) or
+    the scaled score itself (max), summed / maxed per page over the group, k best, ties by first
+    appearance in rank-interleaved order."""
+    out = []
+    for h in range(len(pages) // group):
+        agg, order = {}, []
+        for g in range(group):
+            row = [(p, s) for p, s in zip(pages[h * group + g], scores[h * group + g]) if p >= 0]
+            if not row:
+                continue
+            top = max(s for _, s in row) * scaling
+            denom = sum(math.exp(s * scaling - top) for _, s in row)
+            for p, s in row:
+                v = math.exp(s * scaling - top) / denom if mode == "mass" else s * scaling
+                agg[p] = agg.get(p, 0.0) + v if mode == "mass" else max(agg.get(p, -math.inf), v)
+        for rank in range(len(pages[0])):
+            for g in range(group):
+                p = pages[h * group + g][rank]
+                if p >= 0 and p not in order:
+                    order.append(p)
+        ranked = sorted(order, key=lambda p: (-agg[p], order.index(p)))[:k]
+        out.append(ranked + [-1] * (k - len(ranked)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["mass", "max"])
+def test_group_merges_match_reference(mode):
+    gen = torch.Generator().manual_seed(7)
+    for group, heads, width, k in [(3, 3, 3, 1), (3, 2, 6, 2), (1, 2, 4, 4), (4, 1, 5, 3), (7, 2, 7, 1)]:
+        pages = torch.stack([torch.randperm(12, generator=gen)[:width] for _ in range(group * heads)])
+        pages[torch.rand(pages.shape, generator=gen) < 0.2] = -1  # -1 padding anywhere in a row
+        scores = torch.randn(pages.shape, generator=gen).where(pages >= 0, torch.tensor(-math.inf))
+        got = merge_gqa(pages, group, k, mode, scores, scaling=0.5)
+        assert got.tolist() == _group_merge_reference(pages.tolist(), scores.tolist(), group, k, mode, 0.5)
+
+
+def test_group_merge_at_one_page_serves_the_group_not_the_first_head():
+    """K = 1, group 3: heads 1 and 2 agree on page 7 (each with most of their mass), head 0 prefers page 3
+    by a small margin. interleaved takes head 0's top page; both group merges take 7."""
+    pages = torch.tensor([[3, 7], [7, 1], [7, 2]])
+    scores = torch.tensor([[2.0, 1.9], [5.0, 0.0], [6.0, 1.0]])
+    assert merge_gqa(pages, 3, 1, "interleaved").tolist() == [[3]]
+    assert merge_gqa(pages, 3, 1, "mass", scores).tolist() == [[7]]
+    assert merge_gqa(pages, 3, 1, "max", scores).tolist() == [[7]]
+
+
+def test_group_merge_ties_and_padding():
+    pages = torch.tensor([[4, -1], [5, -1]])
+    scores = torch.tensor([[1.0, -math.inf], [1.0, -math.inf]])
+    # equal mass: the page met first in rank-interleaved order wins; an all-padding group stays padded
+    assert merge_gqa(pages, 2, 2, "mass", scores).tolist() == [[4, 5]]
+    assert merge_gqa(pages, 2, 1, "max", scores).tolist() == [[4]]
+    empty = torch.full((2, 2), -1)
+    assert merge_gqa(empty, 2, 1, "mass", torch.full((2, 2), -math.inf)).tolist() == [[-1]]
+    with pytest.raises(ValueError, match="needs scores"):
+        merge_gqa(pages, 2, 1, "mass")
+
+
+def test_search_scored_extends_search_and_reports_exact_best_scores():
+    keys = _keys(2, 900)
+    index = MDCIIndex.build(keys, torch.arange(900), DCIConfig(ratio_1=0.05))
+    q = torch.randn(6, keys.shape[-1], generator=torch.Generator().manual_seed(3))
+    pages, scores = index.search_scored(q, 2, 6)
+    assert torch.equal(pages[:, :2], index.search(q, 2))
+    table = index.page_table
+    for qh in range(6):
+        h = qh // 3
+        for p, s in zip(pages[qh].tolist(), scores[qh].tolist()):
+            if p < 0:
+                assert s == -math.inf
+                continue
+            tokens = table[h, p][table[h, p] >= 0]
+            assert s == pytest.approx(float((keys[h, tokens] @ q[qh]).max()), rel=1e-4, abs=1e-4)
+        assert scores[qh].tolist() == sorted(scores[qh].tolist(), reverse=True)

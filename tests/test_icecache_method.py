@@ -70,7 +70,9 @@ def test_invalid_options():
     with pytest.raises(ValueError, match="budget_layout"):
         make_method("icecache", budget=64, budget_layout="tight")
     with pytest.raises(ValueError, match="gqa_merge"):
-        make_method("icecache", budget=64, gqa_merge="max")
+        make_method("icecache", budget=64, gqa_merge="best")
+    with pytest.raises(ValueError, match="gqa_candidates"):
+        make_method("icecache", budget=64, gqa_candidates=-1)
     with pytest.raises(ValueError, match="n_window_pages"):
         make_method("icecache", budget=128, n_window_pages=1)
     with pytest.raises(ValueError, match="n_reuse_layers"):

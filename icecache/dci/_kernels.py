@@ -211,8 +211,10 @@ def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, page_
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
                 page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
-                node_nleaf, out_row):
-    """Top-down search of one query head (see :func:`search`); writes ``out_row [K]``."""
+                node_nleaf, out_row, score_row):
+    """Top-down search of one query head (see :func:`search`); writes the ``C = len(out_row)`` best
+    pages into ``out_row`` and their best token's ``q.k`` into ``score_row`` (the descent itself is
+    steered by ``k_pages``, so ``C`` only widens what is reported)."""
     best = np.full(n_pages_h, -np.inf, dtype=np.float32)
     touched = np.empty(n_pages_h, dtype=np.int64)
     pos_pg = np.empty(max_children, dtype=np.int64)
@@ -247,33 +249,35 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_up
         for a in range(n_kept):
             kept[a] = cand_v[order[a]]
         child_level -= 1
-    # the K touched pages with the best tokens, best first (insertion into a sorted top-K)
-    top_s = np.full(k_pages, -np.inf, dtype=np.float32)
+    # the C touched pages with the best tokens, best first (insertion into a sorted top-C)
+    n_cap = out_row.shape[0]
     n_out = 0
     for a in range(n_touched):
         pg = touched[a]
         s = best[pg]
-        if n_out == k_pages and s <= top_s[k_pages - 1]:
+        if n_out == n_cap and s <= score_row[n_cap - 1]:
             continue
-        j = min(n_out, k_pages - 1)
-        while j > 0 and top_s[j - 1] < s:
-            top_s[j] = top_s[j - 1]
+        j = min(n_out, n_cap - 1)
+        while j > 0 and score_row[j - 1] < s:
+            score_row[j] = score_row[j - 1]
             out_row[j] = out_row[j - 1]
             j -= 1
-        top_s[j] = s
+        score_row[j] = s
         out_row[j] = pg
-        if n_out < k_pages:
+        if n_out < n_cap:
             n_out += 1
-    for a in range(n_out, k_pages):
+    for a in range(n_out, n_cap):
         out_row[a] = -1
+        score_row[a] = -np.inf
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
            page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
-           node_nleaf, out):
+           node_nleaf, out, out_scores):
     """Top-down page search of every query head (§3.3), in parallel over query heads; writes
-    ``out [H_q, K]``.
+    ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
+    padded), ``C >= k_pages``.
 
     From the virtual root, expand the kept nodes of a level (:func:`_expand`), sort the children
     found by score and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least
@@ -294,7 +298,7 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n
         qp /= max(math.sqrt(norm), 1e-30)
         _search_one(qv, np.float32(qp), h, k_pages, fov, prop, chunk, top_level, n_pages_h[h], n_upper,
                     max_children, page_keys, page_proj, page_loc, page_valid, page_next,
-                    node_first, node_npages, node_nleaf, out[qh])
+                    node_first, node_npages, node_nleaf, out[qh], out_scores[qh])
 
 
 # ----------------------------------------------------------------------------- insert (§3.4)

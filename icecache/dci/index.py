@@ -161,18 +161,29 @@ class MDCIIndex:
         best-scoring token, -1 padded. ``n_seq`` (default: indexed tokens) sets the field of view
         ``max(floor(n_seq * search_ratio), min_fov)``.
         """
+        return self.search_scored(queries, k_pages, k_pages, n_seq)[0]
+
+    def search_scored(self, queries: torch.Tensor, k_pages: int, n_candidates: int,
+                      n_seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The search of :meth:`search` (steered by ``k_pages``), reporting the ``n_candidates >= k_pages``
+        best pages it scored per query head with their best token's ``q.k``: ``(LongTensor [H_q, C],
+        FloatTensor [H_q, C])``, -1 / -inf padded. The first ``k_pages`` columns equal :meth:`search`;
+        the rest are what a group-level GQA merge (:func:`~icecache.dci.gqa.merge_gqa`) ranks."""
         n_q = queries.shape[0]
         if n_q % self.heads:
             raise ValueError(f"H_q={n_q} is not a multiple of H_kv={self.heads}")
+        if n_candidates < k_pages:
+            raise ValueError(f"n_candidates={n_candidates} must be >= k_pages={k_pages}")
         q = _as_f32(queries)
-        out = np.empty((n_q, k_pages), dtype=np.int64)
+        out = np.empty((n_q, n_candidates), dtype=np.int64)
+        scores = np.empty((n_q, n_candidates), dtype=np.float32)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
                         self.cfg.visit_chunk,
                         self.top_level, self.n_pages_h, self.n_upper, self._max_children,
                         self.page_keys, self.page_proj, self.page_loc, self.page_valid_np,
-                        self.page_next, self.node_first, self.node_npages, self.node_nleaf, out)
-        return torch.from_numpy(out)
+                        self.page_next, self.node_first, self.node_npages, self.node_nleaf, out, scores)
+        return torch.from_numpy(out), torch.from_numpy(scores)
 
     # ------------------------------------------------------------------------- insert
 

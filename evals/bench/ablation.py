@@ -1,0 +1,226 @@
+"""Ablation of IceCache's small-budget choices: ``python -m evals.bench.ablation [options]``.
+
+Measures passkey (lengths x depths x seeds) and RULER niah tasks on one model for a grid of IceCache
+configurations -- GQA merge (``interleaved`` = official ``first_k_unique``, ``union`` = over the budget,
+``mass`` / ``max`` = group-level merges within the budget), page size, sink size -- next to the full cache
+and the exact top-k oracle as bounds, and prints one table (accuracy, and the most past tokens any
+budgeted layer attended per head, which must not exceed the budget except for ``union``).
+
+Every method here computes exact attention at prefill, so a sample's prompt is prefilled once with the
+full cache and its per-layer K/V and last logits (:class:`Prefilled`) are replayed into each
+configuration's cache (:meth:`KVMethod.store` + :meth:`KVMethod.finish_prefill`, what the live prefill
+does after attention); decoding then runs the harness's own loop (:func:`evals.runner.generate`), so
+stopping rules and scores are the suites'. A test checks that a replayed generation equals a live one.
+
+Rows are appended to ``--out`` (JSON lines) as they finish; a rerun skips the rows already there, so a
+long grid can be extended or resumed. ``--ruler-max-new-tokens`` caps RULER's generation (official:
+128 for niah) to save time; the cap is recorded in each row.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see run.py
+
+import argparse  # noqa: E402
+import itertools
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from evals.harness import REPO_ROOT, resolve_path
+from evals.passkey import Passkey
+from evals.ruler import Ruler
+from evals.runner import generate
+from icecache.kv import KVMethod, compat, make_cache, make_method
+from icecache.models import load_model, load_tokenizer
+
+NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue")
+MERGES = ("interleaved", "union", "mass", "max")
+
+
+@dataclass
+class Prefilled:
+    """One prompt's exact prefill: per-layer post-RoPE K/V ``[H_kv, n, d]`` and the last position's logits."""
+
+    prompt_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+
+    @classmethod
+    @torch.inference_mode()
+    def capture(cls, model, prompt_ids: list[int]) -> "Prefilled":
+        cache = make_cache("full", model)
+        try:
+            cache.begin_prefill()
+            ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+            logits = model(ids, use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache)).logits
+            kv = [(st.k.clone(), st.v.clone()) for st in cache.states]
+        finally:
+            cache.close()
+        return cls(list(prompt_ids), kv, logits)
+
+    def replay(self, cache, prompt_ids: list[int]) -> torch.Tensor:
+        """Fills ``cache`` (in its prefill phase) as a live prefill of ``prompt_ids`` would; returns the logits."""
+        if list(prompt_ids) != self.prompt_ids:
+            raise ValueError("Prefilled.replay: the prompt differs from the captured one")
+        method = cache.method
+        if type(method).prefill is not KVMethod.prefill:
+            raise ValueError(f"{method.name} computes statistics during prefill attention; replay supports only "
+                             "methods whose prefill stores the exact K/V (full, topk, icecache, ...)")
+        for st, (k, v) in zip(cache.states, self.kv):
+            st.n_seen = k.shape[1]
+            method.store(st, k, v)
+            method.finish_prefill(st)
+        return self.logits
+
+
+@dataclass(frozen=True)
+class Config:
+    """One ablation cell: a method with hyperparameters at a budget, under a readable label."""
+
+    label: str
+    method: str
+    budget: int | None
+    options: tuple = ()
+
+    def build(self) -> KVMethod:
+        return make_method(self.method, budget=self.budget, **dict(self.options))
+
+
+def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, method: str = "icecache",
+                    **extra) -> Config | None:
+    """An IceCache cell with ``sink_tokens`` of sink (a multiple of the page size) and the official 2-page
+    window; None when the combination leaves no retrieved page or is not page-aligned."""
+    if sink_tokens % page_size or budget % page_size:
+        return None
+    options = dict(gqa_merge=merge, page_size=page_size, n_sink_pages=sink_tokens // page_size,
+                   budget_layout="fixed", **extra)
+    try:
+        make_method(method, budget=budget, **options)
+    except ValueError:
+        return None
+    tail = "".join(f",{k}={v}" for k, v in extra.items())
+    label = f"{method}[{merge},page={page_size},sink={sink_tokens}{tail}]"
+    return Config(label, method, budget, tuple(sorted(options.items())))
+
+
+def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",)) -> list[Config]:
+    """Full and top-k bounds, then every valid IceCache cell of the cross product."""
+    cells = [Config("full", "full", None)]
+    for budget in budgets:
+        cells.append(Config("topk", "topk", budget))
+        for method, page, sink, merge in itertools.product(methods, page_sizes, sinks, merges):
+            cell = icecache_config(budget, merge, page, sink, method)
+            if cell is not None and cell not in cells:
+                cells.append(cell)
+    return cells
+
+
+def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
+    """``(suite label, suite, sample)`` triples for passkey (every seed) and the RULER tasks."""
+    out = []
+    for seed in args.seeds:
+        if "passkey" in args.suites:
+            suite = Passkey(tokenizer, lengths=args.lengths, depths=args.depths, seed=seed, max_length=8192)
+            out += [(f"passkey/s{seed}", suite, s) for s in suite.samples()]
+        if "ruler" in args.suites:
+            suite = Ruler(tokenizer, data_dir=resolve_path(args.data_dir), lengths=[args.ruler_length],
+                          num_samples=args.ruler_samples, tasks=list(args.ruler_tasks), seed=seed, max_length=8192)
+            out += [(f"ruler/s{seed}", suite, s) for s in suite.samples()]
+    return out
+
+
+def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefilled, cap: int | None) -> dict:
+    method = cell.build()
+    max_new = sample.max_new_tokens if cap is None or not sample.task.startswith("niah") else min(cap, sample.max_new_tokens)
+    gen = generate(model, tokenizer, method, sample.prompt_ids, max_new, decode_ids=sample.decode_ids,
+                   stop=sample.stop, ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
+                   min_new_tokens=sample.min_new_tokens, prefilled=prefilled)
+    budgeted = [e for i, e in enumerate(gen.effective_tokens) if e is not None and method.is_budgeted(i)]
+    return {"prediction": gen.text, "score": suite.score(sample, gen.text)["score"], "max_new_tokens": max_new,
+            "max_attended_per_head": max(budgeted, default=None), "max_resident": gen.max_resident_tokens}
+
+
+def done_keys(path: Path) -> set[tuple]:
+    if not path.exists():
+        return set()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(r["config"], r["budget"], r["suite"], r["id"]) for r in rows}
+
+
+def run(args) -> Path:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=args.dtype)
+    cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods)
+    if args.only:
+        cells = [c for c in cells if c.label in ("full", "topk") or any(o in c.label for o in args.only)]
+    done = done_keys(out)
+    triples = suite_samples(tokenizer, args)
+    print(f"{len(cells)} configurations x {len(triples)} samples ({platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads)", flush=True)
+    for label, suite, sample in triples:
+        todo = [c for c in cells if (c.label, c.budget, label, sample.id) not in done]
+        if not todo:
+            continue
+        prefilled = Prefilled.capture(model, sample.prompt_ids)
+        for cell in todo:
+            row = {"config": cell.label, "budget": cell.budget, "suite": label, "id": sample.id, "task": sample.task,
+                   "options": dict(cell.options), **run_cell(model, tokenizer, suite, sample, cell, prefilled,
+                                                              args.ruler_max_new_tokens)}
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        print(f"{label} {sample.id}: done", flush=True)
+    print(table(out).to_string())
+    return out
+
+
+def table(path: Path) -> pd.DataFrame:
+    """Accuracy (0-100) per configuration and budget: passkey, RULER niah (mean over tasks), and the most past
+    tokens per head any budgeted layer attended on average over a step."""
+    rows = pd.DataFrame([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
+    rows["suite_name"] = rows["suite"].str.split("/").str[0]
+    rows["budget"] = rows["budget"].fillna(0).astype(int)
+    per_task = rows.groupby(["config", "budget", "suite_name", "task"])["score"].mean().mul(100).reset_index()
+    acc = per_task.groupby(["config", "budget", "suite_name"])["score"].mean().unstack("suite_name")
+    acc["n"] = rows.groupby(["config", "budget"]).size()
+    acc["max_attended"] = rows.groupby(["config", "budget"])["max_attended_per_head"].max()
+    return acc.round(1).sort_index(level=["budget", "config"])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--suites", nargs="+", default=["passkey", "ruler"], choices=["passkey", "ruler"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--merges", nargs="+", default=list(MERGES), choices=MERGES)
+    p.add_argument("--page-sizes", nargs="+", type=int, default=[16, 8])
+    p.add_argument("--sinks", nargs="+", type=int, default=[16, 32], help="sink sizes in tokens")
+    p.add_argument("--methods", nargs="+", default=["icecache"], choices=["icecache", "icecache_reuse"])
+    p.add_argument("--only", nargs="*", default=None, help="keep configurations whose label contains one of these")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
+    p.add_argument("--depths", type=int, default=10)
+    p.add_argument("--ruler-tasks", nargs="+", default=list(NIAH_TASKS))
+    p.add_argument("--ruler-length", type=int, default=4096)
+    p.add_argument("--ruler-samples", type=int, default=8)
+    p.add_argument("--ruler-max-new-tokens", type=int, default=None)
+    p.add_argument("--data-dir", default=os.environ.get("ICECACHE_DATA_DIR", "../shared/data"))
+    p.add_argument("--out", default=str(REPO_ROOT / "results" / "ablation" / "ablation.jsonl"))
+    p.add_argument("--table", action="store_true", help="only print the table of --out")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(Path(args.out)).to_string())
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
