@@ -29,6 +29,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -36,6 +37,7 @@ from evals.harness import REPO_ROOT, resolve_path
 from evals.passkey import Passkey
 from evals.ruler import Ruler
 from evals.runner import generate
+from icecache.bench.index import model_spec
 from icecache.kv import KVMethod, compat, make_cache, make_method
 from icecache.models import load_model, load_tokenizer
 
@@ -181,10 +183,13 @@ def run(args) -> Path:
     return out
 
 
-def table(path: Path) -> pd.DataFrame:
+def table(*paths: Path) -> pd.DataFrame:
     """Accuracy (0-100) per configuration and budget: passkey, RULER niah (mean over tasks), and the most past
-    tokens per head any budgeted layer attended on average over a step."""
-    rows = pd.DataFrame([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
+    tokens per head any budgeted layer attended on average over a step. Several files (runs of one grid split
+    over processes) are joined; a row measured twice counts once."""
+    rows = pd.DataFrame([json.loads(line) for path in paths for line in Path(path).read_text().splitlines()
+                         if line.strip()])
+    rows = rows.drop_duplicates(subset=["config", "budget", "suite", "id"])
     rows["suite_name"] = rows["suite"].str.split("/").str[0]
     rows["budget"] = rows["budget"].fillna(0).astype(int)
     per_task = rows.groupby(["config", "budget", "suite_name", "task"])["score"].mean().mul(100).reset_index()
@@ -192,6 +197,56 @@ def table(path: Path) -> pd.DataFrame:
     acc["n"] = rows.groupby(["config", "budget"]).size()
     acc["max_attended"] = rows.groupby(["config", "budget"])["max_attended_per_head"].max()
     return acc.round(1).sort_index(level=["budget", "config"])
+
+
+def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
+    """Attention-mass recall of each cell on captured keys (``python -m icecache.bench.capture``): for every
+    captured budgeted layer, decode query and query head, the share of the exact (fp64) softmax attention
+    over the prompt that falls on the positions the method attends, found by the method's own code
+    (``finish_prefill`` on the prompt keys, then ``select`` + ``fetch`` per step and
+    :meth:`~icecache.method.IceCache.attended_positions`; the top-k oracle's own ``select``). As in the
+    index benchmark, the captured prompt stands for the context (generated tokens are not captured)."""
+    spec = model_spec(data)
+    rows = []
+    for cell in cells:
+        if cell.method not in ("topk", "icecache", "icecache_reuse"):
+            continue
+        method = cell.build()
+        method.bind(spec)
+        states = {}
+        for layer, keys in zip(data["layers"], data["keys"]):
+            st = states[layer] = method.new_state(layer)
+            st.n_seen = keys.shape[1]
+            method.store(st, keys.float(), keys.float())
+            method.finish_prefill(st)
+        for st in states.values():
+            method.await_background(st)
+        values = []
+        for step in range(min(len(q) for q in data["queries"])):
+            for layer, keys, queries in zip(data["layers"], data["keys"], data["queries"]):
+                q = queries[step].float()[:, None]  # [H_q, 1, d]
+                mask = attended_mask(method, states[layer], q, keys.shape[1])
+                logits = torch.einsum("hrd,hnd->hrn", q[:, 0].double().view(keys.shape[0], spec.group, -1),
+                                      keys.double())
+                probs = (logits * spec.scaling).softmax(-1).flatten(0, 1)  # [H_q, n]
+                values += (probs * mask).sum(-1).tolist()
+        method.close()
+        rows.append({"config": cell.label, "budget": cell.budget, "recall_mean": float(np.mean(values)),
+                     "recall_p10": float(np.percentile(values, 10)), "cases": len(values)})
+    return pd.DataFrame(rows).set_index(["config", "budget"]).round(3)
+
+
+def attended_mask(method: KVMethod, st, q: torch.Tensor, n: int) -> torch.Tensor:
+    """``[H_q, n]`` bool: the prompt positions each query head attends at this step."""
+    group = method.spec.group
+    if method.name == "topk":
+        tokens = method.select(st, q)  # [H_q, budget + 1], the last entry the (absent) current token
+        return torch.zeros(q.shape[0], n, dtype=torch.bool).scatter_(1, tokens[:, :-1], True)
+    method.fetch(st, method.select(st, q))
+    positions = method.attended_positions(st)  # [H_kv, R], -1 = masked
+    mask = torch.zeros(positions.shape[0], n + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(positions >= 0, positions, n), True)
+    return mask[:, :n].repeat_interleave(group, 0)
 
 
 def main(argv=None) -> None:
@@ -214,10 +269,19 @@ def main(argv=None) -> None:
     p.add_argument("--ruler-max-new-tokens", type=int, default=None)
     p.add_argument("--data-dir", default=os.environ.get("ICECACHE_DATA_DIR", "../shared/data"))
     p.add_argument("--out", default=str(REPO_ROOT / "results" / "ablation" / "ablation.jsonl"))
-    p.add_argument("--table", action="store_true", help="only print the table of --out")
+    p.add_argument("--table", nargs="*", default=None, help="only print the table of these files (default --out)")
+    p.add_argument("--recall", default=None, help="a capture file (icecache.bench.capture): print the attention-mass "
+                   "recall of every configuration on its keys instead of running the suites")
     args = p.parse_args(argv)
-    if args.table:
-        print(table(Path(args.out)).to_string())
+    if args.recall:
+        data = torch.load(args.recall, map_location="cpu")
+        cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods)
+        if args.only:
+            cells = [c for c in cells if c.label in ("full", "topk") or any(o in c.label for o in args.only)]
+        print(config_recall(data, cells).to_string())
+        return
+    if args.table is not None:
+        print(table(*map(Path, args.table or [args.out])).to_string())
         return
     run(args)
 
