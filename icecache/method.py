@@ -90,6 +90,25 @@ class IceState(LayerState):
         self.step_bytes = 0
 
 
+def official_preset(budget: int) -> dict:
+    """The official scripts' settings (``run_longbench.sh``, ``passkey_pred.py``): 16-token pages and the
+    rank-interleaved ``first_k_unique`` GQA merge at every budget. At 64 tokens, where the official code
+    asserts, ``budget_layout="auto"`` gives 1 sink + 1 retrieved + 2 window pages."""
+    return {"page_size": 16, "gqa_merge": "interleaved"}
+
+
+def budget_preset(budget: int) -> dict:
+    """This project's defaults, chosen per budget from the ablation in docs/benchmarks.md ("IceCache at
+    small budgets"): below 256 tokens 8-token pages (64 tokens = 2 sink + 4 retrieved + 2 window pages of 8
+    instead of 1 + 1 + 2 of 16), from 256 on the official 16-token pages; the official merge throughout.
+    With one 16-token page per KV head a needle sentence written one token per digit straddles pages and
+    the rank-interleaved merge serves only the group's first query head; 8-token pages fix both."""
+    return {"page_size": 8 if budget < 256 else 16, "gqa_merge": "interleaved"}
+
+
+PRESETS = {"budget": budget_preset, "official": official_preset}
+
+
 @dataclass
 class IceCache(KVMethod):
     """Paged offloading with M-DCI page retrieval.
@@ -97,14 +116,20 @@ class IceCache(KVMethod):
     Args:
         budget: past tokens per head per step in a budgeted layer, a multiple of ``page_size`` (sink and
             window included; 256 = 2 sink + 12 retrieved + 2 window pages).
-        page_size: tokens per page = M-DCI leaf capacity (16 in every official script).
+        preset: where ``page_size`` and ``gqa_merge`` come from when they are not given (``None``):
+            ``"budget"`` (default, :func:`budget_preset`: chosen per budget from this project's ablation) or
+            ``"official"`` (:func:`official_preset`: the official scripts' values at every budget).
+        page_size: tokens per page = M-DCI leaf capacity (16 in every official script; ``None``: preset).
         n_sink_pages: first pages always resident (official 2; see ``budget_layout``).
         n_window_pages: most recent pages always resident, the last one being filled (official 2, >= 2).
         budget_layout: ``"auto"``: fewer sink pages (down to 1) when the budget leaves no retrieved page
             (64 tokens -> 1 sink + 1 retrieved + 2 window pages); ``"fixed"``: ``n_sink_pages`` as given.
         n_dense_layers: first layers kept dense (official ``n_unlimited_layers`` = 2).
-        gqa_merge: ``"interleaved"`` (official ``first_k_unique``, capped at ``K`` pages per KV head) or
-            ``"union"`` (every page any query head of the group selected; over the budget by design).
+        gqa_merge: ``"interleaved"`` (official ``first_k_unique``, capped at ``K`` pages per KV head),
+            ``"union"`` (every page any query head of the group selected; over the budget by design), or the
+            group-level merges within the budget ``"mass"`` / ``"max"`` (:func:`~icecache.dci.merge_gqa`);
+            ``None``: preset.
+        gqa_candidates: pages each query head reports to the ``mass``/``max`` merges (0: ``group * K``).
         always_index: also index prompts of at most ``budget`` tokens (official: only longer ones); with a
             budget that covers the context, every page is then retrieved through the index.
         ratio_1, ratio_2, search_ratio, min_fov, prop_to_retrieve, seed: M-DCI parameters
@@ -113,12 +138,13 @@ class IceCache(KVMethod):
             as the official code draws one per prefill.
     """
 
-    page_size: int = 16
+    preset: str = "budget"
+    page_size: int | None = None
     n_sink_pages: int = 2
     n_window_pages: int = 2
     budget_layout: str = "auto"
     n_dense_layers: int = 2
-    gqa_merge: str = "interleaved"
+    gqa_merge: str | None = None
     gqa_candidates: int = 0
     always_index: bool = False
     ratio_1: float = 0.01
@@ -132,6 +158,15 @@ class IceCache(KVMethod):
     _states: dict = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ configuration
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"{self.name}: preset must be one of {tuple(PRESETS)}, got {self.preset!r}")
+        if self.budget is not None and self.budget > 0:
+            for key, value in PRESETS[self.preset](self.budget).items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+        super().__post_init__()
+
     def layout(self) -> tuple[int, int, int]:
         """``(sink, window, retrieved)`` pages of the budget."""
         pages = self.budget // self.page_size
