@@ -162,7 +162,7 @@ def run(args) -> Path:
     model = load_model(args.model, dtype=args.dtype)
     cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods)
     if args.only:
-        cells = [c for c in cells if c.label in ("full", "topk") or any(o in c.label for o in args.only)]
+        cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
     done = done_keys(out)
     triples = suite_samples(tokenizer, args)
     print(f"{len(cells)} configurations x {len(triples)} samples ({platform.processor() or platform.machine()}, "
@@ -259,7 +259,7 @@ def main(argv=None) -> None:
     p.add_argument("--page-sizes", nargs="+", type=int, default=[16, 8])
     p.add_argument("--sinks", nargs="+", type=int, default=[16, 32], help="sink sizes in tokens")
     p.add_argument("--methods", nargs="+", default=["icecache"], choices=["icecache", "icecache_reuse"])
-    p.add_argument("--only", nargs="*", default=None, help="keep configurations whose label contains one of these")
+    p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
     p.add_argument("--depths", type=int, default=10)
@@ -277,7 +277,7 @@ def main(argv=None) -> None:
         data = torch.load(args.recall, map_location="cpu")
         cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods)
         if args.only:
-            cells = [c for c in cells if c.label in ("full", "topk") or any(o in c.label for o in args.only)]
+            cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
         print(config_recall(data, cells).to_string())
         return
     if args.table is not None:
