@@ -69,7 +69,8 @@ LONGBENCH_GOLDEN = {
     "mistral-7b-instruct-v0.2": "<s>[INST]" + USER + "[/INST]",
     "longchat-7b-v1.5": "<s>" + VICUNA + " USER: " + USER + " ASSISTANT:",
     "qwen3-32b": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-    "qwen3-4b-instruct-2507": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "qwen3-4b-instruct-2507": ("<|im_start|>user\n" + USER
+                               + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
 }
 NIAH_1 = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
           "about the number afterwards.\n")
