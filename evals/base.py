@@ -38,6 +38,7 @@ class Sample:
     ignore_eos: bool = False  # latency runs force exactly max_new_tokens tokens
     stop_token_ids: list[int] = field(default_factory=list)  # end generation like EOS (LongBench samsum: "\n")
     min_new_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
+    eos_token_ids: list[int] | None = None  # replaces the model's EOS set (LongBench samsum: the tokenizer's EOS only)
     sampling: dict | None = None  # {"temperature", "top_p", "seed"}: nucleus sampling instead of greedy (LongGenBench)
     meta: dict = field(default_factory=dict)  # JSON-serialisable extras kept in the prediction row
 

@@ -60,16 +60,18 @@ def _stop_ids(model, tokenizer) -> set[int]:
 def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_tokens: int,
              decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
              stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False,
-             sampling: dict | None = None) -> Generation:
+             sampling: dict | None = None, eos_token_ids: list[int] | None = None) -> Generation:
     """Greedy generation of one sample with a fresh cache of ``method`` (or nucleus sampling when
     ``sampling`` = ``{"temperature", "top_p", "seed"}`` is given: :func:`sample_token`). Generation ends at EOS
     or one of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
-    ``max_new_tokens``."""
+    ``max_new_tokens``. EOS is the generation config's EOS ids and the tokenizer's, or ``eos_token_ids`` when
+    given (``model.generate(eos_token_id=[...])`` replaces the generation config's list the same way)."""
     device = next(model.parameters()).device
     compat.enable_attention(model)
     cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
     kw = compat.cache_kwargs(cache)
-    eos = set(stop_token_ids) | (set() if ignore_eos else _stop_ids(model, tokenizer))
+    default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
+    eos = set(stop_token_ids) | (set() if ignore_eos else default_eos)
     rng = None
     if sampling:
         rng = torch.Generator(device=device).manual_seed(int(sampling.get("seed", 0)))
