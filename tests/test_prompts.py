@@ -6,6 +6,7 @@ scripts/data/template.py, IceCache benchmark/passkey_pred.py, mit-han-lab/Quest 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import shutil
 
 import numpy as np
@@ -103,7 +104,7 @@ def stub_tokenizer(bos: str | None, chat_template: str | None) -> PreTrainedToke
 
 def model_eval_config(model: str, suite: str) -> tuple[dict, dict]:
     """The resolved ``model`` and ``eval`` groups of ``run.py model=<model> eval=<suite>``."""
-    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=[f"model={model}", f"eval={suite}"]), resolve=True)
     opts = {k: v for k, v in cfg["eval"].items() if k != "name"}
@@ -238,3 +239,19 @@ def test_passkey_answers_compare_as_integers():
     suite = Passkey(tok, lengths=[200], length_unit="chars", depths=1)
     sample = next(suite.samples())
     assert suite.score(sample, "0" + sample.reference)["score"] == 1.0
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model")
+                                         .glob("*.yaml")))
+def test_every_model_config_names_its_wrappers_and_every_suite_resolves(model):
+    """Each model config's ``prompt:`` block reaches the suites (the run's resolved config records it)."""
+    for suite in ("longbench", "ruler", "passkey", "passkey_icecache", "passkey_quest", "gsm8k", "longgenbench"):
+        model_cfg, opts = model_eval_config(model, suite)
+        if suite == "longbench":
+            assert opts["chat_format"] == model_cfg["prompt"]["longbench"]
+            assert opts["system_prompt"] == model_cfg["prompt"]["system_prompt"]
+            assert opts["chat_template_kwargs"] == model_cfg["prompt"]["chat_template_kwargs"]
+        if suite == "ruler":
+            assert opts["model_template"] == model_cfg["prompt"]["ruler"]
+    qwen = model.startswith("qwen3")
+    assert (model_cfg["prompt"]["chat_template_kwargs"] == {"enable_thinking": False}) == qwen
