@@ -41,6 +41,10 @@ QWEN3_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}")
+# Qwen3-4B-Instruct-2507 is non-thinking only: its template has no <think> block (enable_thinking is ignored).
+QWEN3_2507_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 # Mistral-7B-Instruct-v0.2's tokenizer template would put a space inside [INST] ... [/INST]; never used here.
 MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
                     "[/INST]{% endif %}{% endfor %}")
@@ -49,7 +53,7 @@ STUBS = {  # model -> (BOS the tokenizer adds, chat template of the real tokeniz
     "mistral-7b-instruct-v0.2": ("<s>", MISTRAL_TEMPLATE),
     "longchat-7b-v1.5": ("<s>", None),
     "qwen3-32b": (None, QWEN3_TEMPLATE),
-    "qwen3-4b-instruct-2507": (None, QWEN3_TEMPLATE),
+    "qwen3-4b-instruct-2507": (None, QWEN3_2507_TEMPLATE),
 }
 # LongBench config/dataset2prompt.json, "2wikimqa" (exact)
 WIKI_TEMPLATE = ("Answer the question based on the given passages. Only give me the answer and do not output any "
@@ -70,8 +74,7 @@ LONGBENCH_GOLDEN = {
     "mistral-7b-instruct-v0.2": "<s>[INST]" + USER + "[/INST]",
     "longchat-7b-v1.5": "<s>" + VICUNA + " USER: " + USER + " ASSISTANT:",
     "qwen3-32b": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-    "qwen3-4b-instruct-2507": ("<|im_start|>user\n" + USER
-                               + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    "qwen3-4b-instruct-2507": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n",
 }
 NIAH_1 = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
           "about the number afterwards.\n")
@@ -83,7 +86,7 @@ RULER_GOLDEN = {  # model -> (head, tail) around the task template (RULER script
     "mistral-7b-instruct-v0.2": ("[INST] ", " [/INST]"),
     "longchat-7b-v1.5": (VICUNA + " USER: ", " ASSISTANT:"),
     "qwen3-32b": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-    "qwen3-4b-instruct-2507": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    "qwen3-4b-instruct-2507": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 
 
