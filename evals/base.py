@@ -3,7 +3,8 @@
 A suite turns its data into :class:`Sample` objects — token ids, because truncation and chat templates
 are part of each benchmark's protocol — and scores the generated text. The runner (``evals/runner.py``)
 owns the model: it prefills ``prompt_ids``, feeds ``decode_ids`` one token at a time through the decode
-path (so a query-aware cache answers the question; passkey does this), then generates greedily up to
+path (so a query-aware cache answers the question; passkey can do this), then generates greedily (or
+``sampling``: LongGenBench's official nucleus sampling) up to
 ``max_new_tokens``, stopping at EOS or any of ``stop``.
 
 Scores are computed per sample (:meth:`Suite.score`) and stored in ``predictions.jsonl``; the headline
@@ -37,6 +38,8 @@ class Sample:
     ignore_eos: bool = False  # latency runs force exactly max_new_tokens tokens
     stop_token_ids: list[int] = field(default_factory=list)  # end generation like EOS (LongBench samsum: "\n")
     min_new_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
+    eos_token_ids: list[int] | None = None  # replaces the model's EOS set (LongBench samsum: the tokenizer's EOS only)
+    sampling: dict | None = None  # {"temperature", "top_p", "seed"}: nucleus sampling instead of greedy (LongGenBench)
     meta: dict = field(default_factory=dict)  # JSON-serialisable extras kept in the prediction row
 
 

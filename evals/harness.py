@@ -121,7 +121,8 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
-                       min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")))
+                       min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
+                       sampling=sample.sampling, eos_token_ids=sample.eos_token_ids)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": gen.timing()}
         run.append(row)

@@ -19,11 +19,11 @@ Per sample (evals.md §2.4):
    official llama2), ``vicuna`` = FastChat's vicuna conversation (LongChat, official ``pred.py``),
    ``none`` = never wrap.
 4. Greedy, ``max_new_tokens = dataset2maxlen[task]``; samsum stops at the "\\n" token (the last id of
-   ``encode("\\n")``) and cannot stop before its first new token (``min_length = context + 1``). ``pred.py``
+   ``encode("\\n")``) and cannot stop before its first new token (``min_length = context + 1``). As ``pred.py``
    passes ``eos_token_id=[tokenizer.eos_token_id, newline]`` for samsum, which replaces the generation
-   config's EOS list; the runner here also stops at the generation config's other EOS ids (Llama-3.1:
-   ``<|end_of_text|>`` and ``<|eom_id|>`` besides the tokenizer's ``<|eot_id|>``). A greedy samsum answer
-   differs only if the model emits one of those before the first newline.
+   config's EOS list, samsum stops at the tokenizer's EOS and "\\n" only (``Sample.eos_token_ids``; on
+   Llama-3.1 ``<|end_of_text|>`` and ``<|eom_id|>`` do not end a samsum answer); the other tasks stop at
+   every EOS id of the generation config, as ``model.generate`` does.
 
 Scoring (evals.md §2.6, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
 then the task metric maximised over the reference answers; a task's score is ``round(100 * mean, 2)``
@@ -172,6 +172,8 @@ class LongBench(Suite):
                     max_new_tokens=int(self.max_new[task]),
                     reference={"answers": list(row["answers"]), "all_classes": row.get("all_classes")},
                     stop_token_ids=[newline] if samsum else [], min_new_tokens=1 if samsum else 0,
+                    eos_token_ids=[self.tokenizer.eos_token_id] if samsum and self.tokenizer.eos_token_id is not None
+                    else None,
                     meta={"data": source, "length": row.get("length"), "n_prompt_tokens": len(prompt_ids),
                           "n_tokens_untruncated": n_untruncated, "truncated": n_untruncated > self.max_length,
                           "chat": task not in NO_CHAT_TASKS and self.chat_format != "none",

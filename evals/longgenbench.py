@@ -9,8 +9,10 @@ new tokens; the harness caps that at ``max_length - prompt tokens`` and records 
 sample's meta. ``max_new_tokens`` (default ``null`` = the official budget) caps generation further for smoke
 runs on slow hardware; the cap is recorded in each sample's meta and in ``metrics.json``, and a capped run
 scores only the units written before the cap (lower completion rate, fewer judged checks), so its numbers
-are not comparable with the paper's. The official sampling (temperature 0.95, top-p 0.95) is the runner's
-business; the harness decodes greedily.
+are not comparable with the paper's. ``decoding``: ``official`` (default, for paper reproduction) samples as
+``inference.py``'s ``SamplingParams(temperature=0.95, top_p=0.95, seed=6211027)`` does (nucleus sampling in
+:func:`evals.runner.sample_token`, seeded per item with ``sampling_seed``; vLLM's random stream is not
+reproduced bit for bit), ``greedy`` decodes greedily.
 
 Scoring (``Evalution/eval.py``): ``output = prefix + generated text`` is split on ``"#*#"``; the first block
 matching ``"{type} (\\d+)"`` is unit ``\\d+``'s block. For every check (``checks_once``, ``checks_range``,
@@ -19,9 +21,11 @@ matching ``"{type} (\\d+)"`` is unit ``\\d+``'s block. For every check (``checks
 or 'no' only."`` (raw prompt, 50 new tokens) and the verdict is yes iff ``'yes' in reply.strip().lower()``.
 Checks without a block are left out. Accuracy per kind = yes / judged, pooled over all items (0 when none
 was judged); Completion Rate = mean over items of ``100 * |units found in 1..number| / number``; Average
-Accuracy = mean of the three accuracies. The judge is the ``generate`` callable given to :meth:`score`
-(officially Llama-3.1-8B-Instruct; by default here the model under test; ``judge_model`` names it in the
-results).
+Accuracy = mean of the three accuracies. The judge is the ``generate`` callable given to :meth:`score`;
+``judge_model`` names it: by default the official judge ``llama-3.1-8b-instruct`` (``eval.py``'s
+meta-llama/Meta-Llama-3.1-8B-Instruct), checked when the suite is built, with an error saying how to provide
+it when its weights are not available; ``null`` = the model under test (not comparable with the paper). The
+harness's judge decodes greedily (``eval.py`` samples it with temperature 0.95, top-p 0.95, seed 42).
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ from typing import Iterator
 from .base import DataError, GenerateFn, Sample, Suite
 
 MAX_NEW_TOKENS = {"short": 16000, "long": 32000}
+OFFICIAL_JUDGE = "llama-3.1-8b-instruct"  # Evalution/eval.py: meta-llama/Meta-Llama-3.1-8B-Instruct
+OFFICIAL_SAMPLING = {"temperature": 0.95, "top_p": 0.95}  # Evalution/inference.py SamplingParams
+OFFICIAL_SEED = 6211027
+DECODINGS = ("official", "greedy")
 KINDS = ("once", "range", "periodic")
 STOP = "*** finished"
 JUDGE_MAX_NEW_TOKENS = 50
@@ -68,26 +76,33 @@ def task_name(unit_type: str) -> str:
 class LongGenBench(Suite):
     """LongGenBench (Wu et al.). Options: ``subset`` (short = Dataset_short.json, 16K; long =
     Dataset_long.json, 32K), ``types`` (a subset of the item types, e.g. ``[Week, Floor]``; default all),
-    ``judge_model`` (a name recorded with the results; ``null`` = the model under test), ``max_new_tokens``
-    (a cap below the official generation budget for smoke runs; ``null`` = official).
+    ``judge_model`` (a registered model; default the official judge; ``null`` = the model under test),
+    ``max_new_tokens`` (a cap below the official generation budget for smoke runs; ``null`` = official),
+    ``decoding`` (``official`` sampling | ``greedy``) and ``sampling_seed``.
     ``limit`` caps the items per type. Sample ids: ``<subset>-<item index in the file>``."""
 
     name = "longgenbench"
     needs_data = True
 
-    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = None,
-                 max_new_tokens: int | None = None, **common):
+    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = OFFICIAL_JUDGE,
+                 max_new_tokens: int | None = None, decoding: str = "official", sampling_seed: int = OFFICIAL_SEED,
+                 **common):
         super().__init__(tokenizer, **common)
         if subset not in MAX_NEW_TOKENS:
             raise ValueError(f"longgenbench subset must be one of {sorted(MAX_NEW_TOKENS)}, got {subset!r}")
         if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise ValueError(f"longgenbench max_new_tokens must be a positive integer or null (the official "
                              f"{MAX_NEW_TOKENS[subset]}), got {max_new_tokens!r}")
+        if decoding not in DECODINGS:
+            raise ValueError(f"longgenbench decoding must be one of {DECODINGS}, got {decoding!r}")
         self.subset = subset
+        self.decoding, self.sampling_seed = decoding, int(sampling_seed)
         self.max_new_tokens_cap = max_new_tokens
         self.types = list(types) if types else None
         self.judge_model = judge_model
         self.path = self.require_file(f"longgenbench/Dataset_{subset}.json")
+        if judge_model:
+            check_judge(judge_model)
 
     def items(self) -> list[dict]:
         """The dataset's items, checked field by field."""
@@ -124,11 +139,18 @@ class LongGenBench(Suite):
                                  f"generate within max_length={self.max_length}")
             yield Sample(id=f"{self.subset}-{index}", task=task_name(kind), prompt_ids=ids,
                          max_new_tokens=min(self.generation_budget(), room), stop=[STOP],
+                         sampling=self.sampling(index),
                          reference={key: item[key] for key in FIELDS if key != "prompt"},
                          meta={"subset": self.subset, "type": kind, "number": item["number"],
                                "official_max_new_tokens": MAX_NEW_TOKENS[self.subset],
                                "max_new_tokens_cap": self.max_new_tokens_cap,
-                               "judge_model": self.judge_model or "model under test"})
+                               "judge_model": self.judge_model or "model under test", "decoding": self.decoding})
+
+    def sampling(self, index: int) -> dict | None:
+        """The official ``SamplingParams`` (seed ``sampling_seed + item index``), or ``None`` for greedy."""
+        if self.decoding == "greedy":
+            return None
+        return {**OFFICIAL_SAMPLING, "seed": self.sampling_seed + index}
 
     def generation_budget(self) -> int:
         """The official new-token budget of the subset, or the smaller ``max_new_tokens`` cap when given."""
@@ -165,8 +187,29 @@ class LongGenBench(Suite):
                 "completion_rate": sum(s["completion_rate"] for s in scores) / len(scores) if scores else 0.0,
                 "accuracy_once": acc["once"], "accuracy_range": acc["range"], "accuracy_periodic": acc["periodic"],
                 "tasks": tasks, "subset": self.subset, "judge_model": self.judge_model or "model under test",
+                "decoding": self.decoding,
                 "max_new_tokens": self.generation_budget(), "official_max_new_tokens": MAX_NEW_TOKENS[self.subset],
                 "n_samples": len(rows)}
+
+
+def check_judge(name: str) -> None:
+    """Fails early, with what to do, when the judge model is unknown or its weights are not on this machine
+    (a hub model must be in the local Hugging Face cache: the judge is loaded by name, without a path)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from icecache.models import MODELS, ModelUnavailableError, smollm2_gguf_path
+
+    if name not in MODELS:
+        raise ValueError(f"longgenbench judge_model '{name}' is not a registered model; valid: {', '.join(MODELS)}")
+    entry = MODELS[name]
+    if entry.source == "smollm2":
+        smollm2_gguf_path()  # raises ModelUnavailableError saying how to install it
+    elif entry.source == "hub" and not isinstance(try_to_load_from_cache(entry.repo_id, "config.json"), str):
+        raise ModelUnavailableError(
+            f"longgenbench: the judge '{name}' ({entry.repo_id}) is not in the local Hugging Face cache. The official "
+            f"judge is Llama-3.1-8B-Instruct (mozhu621/LongGenBench Evalution/eval.py): download it first "
+            f"(huggingface-cli download {entry.repo_id}), or set eval.judge_model=null to judge with the model "
+            f"under test (not comparable with the paper)")
 
 
 def _accuracy(scores: list[dict], kind: str) -> float:

@@ -60,23 +60,33 @@ def _stop_ids(model, tokenizer) -> set[int]:
 def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_tokens: int,
              decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
              stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False,
+             sampling: dict | None = None, eos_token_ids: list[int] | None = None,
              prefilled=None) -> Generation:
-    """Greedy generation of one sample with a fresh cache of ``method``. Generation ends at EOS or one
-    of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
-    ``max_new_tokens``. ``prefilled`` (an :class:`evals.bench.ablation.Prefilled` of ``prompt_ids``)
-    replays a captured prefill instead of running it -- for ablations that decode one prompt under many
-    configurations; its TTFT then excludes the prefill."""
+    """Greedy generation of one sample with a fresh cache of ``method`` (or nucleus sampling when
+    ``sampling`` = ``{"temperature", "top_p", "seed"}`` is given: :func:`sample_token`). Generation ends at EOS
+    or one of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
+    ``max_new_tokens``. EOS is the generation config's EOS ids and the tokenizer's, or ``eos_token_ids`` when
+    given (``model.generate(eos_token_id=[...])`` replaces the generation config's list the same way).
+    ``prefilled`` (an :class:`evals.bench.ablation.Prefilled` of ``prompt_ids``) replays a captured prefill
+    instead of running it -- for ablations that decode one prompt under many configurations; its TTFT then
+    excludes the prefill."""
     device = next(model.parameters()).device
     compat.enable_attention(model)
     cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
     kw = compat.cache_kwargs(cache)
-    eos = set(stop_token_ids) | (set() if ignore_eos else _stop_ids(model, tokenizer))
+    default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
+    eos = set(stop_token_ids) | (set() if ignore_eos else default_eos)
+    rng = None
+    if sampling:
+        rng = torch.Generator(device=device).manual_seed(int(sampling.get("seed", 0)))
 
     def pick(logits: torch.Tensor, n_out: int) -> int:
         scores = logits[0, -1]
         if n_out < min_new_tokens and eos:
             scores = scores.clone()
             scores[list(eos)] = float("-inf")
+        if sampling:
+            return sample_token(scores, float(sampling["temperature"]), float(sampling["top_p"]), rng)
         return int(scores.argmax())
     try:
         start = _now(device)
@@ -116,6 +126,20 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved)
     finally:
         cache.close()
+
+
+def sample_token(scores: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> int:
+    """Temperature then nucleus (top-p) sampling, as vLLM's ``SamplingParams(temperature, top_p)``: keep the
+    smallest set of most likely tokens whose probability reaches ``top_p`` (the most likely one always),
+    renormalise and draw with ``rng``. ``temperature == 0`` is greedy."""
+    if temperature <= 0:
+        return int(scores.argmax())
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=rng)
+    return int(order[choice])
 
 
 def _hits_stop(tokenizer, out: list[int], stop) -> bool:

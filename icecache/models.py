@@ -36,7 +36,8 @@ class ModelEntry:
 MODELS: dict[str, ModelEntry] = {
     "smollm2-135m": ModelEntry("smollm2-135m", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", 8192),
     "llama-3.1-8b-instruct": ModelEntry("llama-3.1-8b-instruct", "hub", "meta-llama/Llama-3.1-8B-Instruct", 131072),
-    "mistral-7b-instruct-v0.2": ModelEntry("mistral-7b-instruct-v0.2", "hub", "mistralai/Mistral-7B-Instruct-v0.2", 32768),
+    "mistral-7b-instruct-v0.2": ModelEntry("mistral-7b-instruct-v0.2", "hub", "mistralai/Mistral-7B-Instruct-v0.2",
+                                           32768),
     "longchat-7b-v1.5": ModelEntry("longchat-7b-v1.5", "hub", "lmsys/longchat-7b-v1.5-32k", 32000),
     "qwen3-4b-instruct-2507": ModelEntry("qwen3-4b-instruct-2507", "hub", "Qwen/Qwen3-4B-Instruct-2507", 32768),
     "qwen3-32b": ModelEntry("qwen3-32b", "hub", "Qwen/Qwen3-32B", 32768),

@@ -199,6 +199,7 @@ def test_samsum_stops_at_the_newline_token_after_one_token(tmp_path, tok):
     _write_data(tmp_path, {"samsum": [_row(input="Dialogue: A: hi\nSummary:", answers=["A says hi."])]})
     s = next(LongBench(tok, data_dir=tmp_path, tasks=["samsum"]).samples())
     assert s.stop_token_ids == [tok.encode("\n", add_special_tokens=False)[-1]] and s.min_new_tokens == 1
+    assert s.eos_token_ids == [tok.eos_token_id]  # pred.py: eos_token_id=[tokenizer.eos_token_id, newline]
     assert not s.meta["chat"] and s.max_new_tokens == 128
     suite = LongBench(tok, data_dir=tmp_path, tasks=["samsum"])
     assert suite.score(s, "\nA says hi.\nDialogue: more")["score"] == pytest.approx(1.0, abs=1e-6)
@@ -313,3 +314,20 @@ def test_aggregate_rounds_per_task_and_averages_english_tasks(tmp_path):
     assert out["score"] == pytest.approx((33.33 + 100.0) / 2) and out["score_zh"] == 50.0
     assert out["n_english_tasks"] == 2 and out["n_samples"] == 5 and out["data"] == ["longbench"]
     assert len(ENGLISH_TASKS) == 16 and len(CHINESE_TASKS) == 5
+
+
+def test_samsum_eos_list_replaces_the_generation_configs():
+    """pred.py passes eos_token_id=[tokenizer.eos, newline] for samsum: the generation config's other EOS ids
+    (Llama-3.1's <|end_of_text|>) no longer end generation; every other task keeps them."""
+    from baselines.full import FullCache
+    from evals.runner import generate
+    from icecache.models import load_model, load_tokenizer
+
+    model, tok = load_model("tiny-llama"), load_tokenizer("tiny-llama")
+    prompt = tok("Dialogue: A: hi")["input_ids"]
+    first = generate(model, tok, FullCache(), prompt, 6, ignore_eos=True).token_ids
+    assert first[2] not in first[:2]
+    model.generation_config.eos_token_id = [first[2]]  # a second EOS id of the generation config
+    assert generate(model, tok, FullCache(), prompt, 6).token_ids == first[:2]
+    kept = generate(model, tok, FullCache(), prompt, 6, eos_token_ids=[tok.eos_token_id]).token_ids
+    assert kept[:3] == first[:3] and len(kept) > 2

@@ -29,7 +29,7 @@ def suite(tokenizer, tmp_path):
     (tmp_path / "longgenbench" / "Dataset_short.json").write_text(json.dumps([{
         "prompt": "Write a diary. *** started ***\n#*# Week 1:", "prefix": "#*# Week 1:", "type": "Week",
         "number": 2, "checks_once": {"1": "x"}, "checks_range": {}, "checks_periodic": {}}]))
-    return LongGenBench(tokenizer, data_dir=tmp_path, judge_model="judge-x")
+    return LongGenBench(tokenizer, data_dir=tmp_path, judge_model="tiny-qwen3")
 
 
 def fake_judge(calls: list):
@@ -98,7 +98,7 @@ def test_aggregate_pools_checks_across_items(suite):
     assert out["average_accuracy"] == 0.5 and out["score"] == 50.0
     assert out["completion_rate"] == pytest.approx((75 + 25 + 100) / 3)
     assert out["tasks"] == {"floor": pytest.approx(100 / 3), "week": pytest.approx(100 * (2 / 3 + 1 / 2 + 1 / 3) / 3)}
-    assert out["judge_model"] == "judge-x" and out["n_samples"] == 3
+    assert out["judge_model"] == "tiny-qwen3" and out["n_samples"] == 3
     assert out["max_new_tokens"] == out["official_max_new_tokens"] == 16000
 
 
@@ -106,7 +106,7 @@ def test_aggregate_pools_checks_across_items(suite):
 def test_real_files_parse_into_samples(tokenizer):
     for subset, types, total in (("short", {"Week": 52, "Floor": 100, "Menu Week": 52, "Block": 100}, 400),
                                  ("long", {"Day": 365, "Floor": 300, "Menu Day": 365, "Block": 361}, 400)):
-        suite = LongGenBench(tokenizer, data_dir=DATA_DIR, subset=subset, limit=2, max_length=32768)
+        suite = LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, subset=subset, limit=2, max_length=32768)
         items = suite.items()
         assert len(items) == total and {i["type"]: i["number"] for i in items} == types
         samples = list(suite.samples())
@@ -123,30 +123,76 @@ def test_real_files_parse_into_samples(tokenizer):
 
 @needs_data
 def test_types_limit_and_capped_generation(tokenizer):
-    suite = LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Floor"], limit=3, max_length=8192)
+    suite = LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, types=["Floor"], limit=3, max_length=8192)
     samples = list(suite.samples())
     assert [s.task for s in samples] == ["floor"] * 3
     assert [s.id for s in samples] == [s.id for s in suite.samples()]  # stable
     assert all(s.max_new_tokens == 8192 - len(s.prompt_ids) for s in samples)
-    capped = list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Floor"], limit=3, max_length=8192,
+    capped = list(LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, types=["Floor"], limit=3,
+                               max_length=8192,
                                max_new_tokens=300).samples())
     assert [s.max_new_tokens for s in capped] == [300] * 3
     assert capped[0].meta["max_new_tokens_cap"] == 300 and capped[0].meta["official_max_new_tokens"] == 16000
     assert samples[0].meta["max_new_tokens_cap"] is None
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
-        LongGenBench(tokenizer, data_dir=DATA_DIR, max_new_tokens=0)
+        LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, max_new_tokens=0)
     with pytest.raises(ValueError, match="not in"):
-        list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Day"]).samples())
+        list(LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, types=["Day"]).samples())
     with pytest.raises(ValueError, match="subset"):
-        LongGenBench(tokenizer, data_dir=DATA_DIR, subset="medium")
+        LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, subset="medium")
 
 
 def test_missing_or_malformed_data(tokenizer, tmp_path):
     with pytest.raises(DataError, match=re.escape(str(tmp_path / "longgenbench" / "Dataset_long.json"))):
-        LongGenBench(tokenizer, data_dir=tmp_path, subset="long")
+        LongGenBench(tokenizer, data_dir=tmp_path, judge_model=None, subset="long")
     (tmp_path / "longgenbench").mkdir()
     bad = tmp_path / "longgenbench" / "Dataset_short.json"
     bad.write_text(json.dumps([{"prompt": "p #*# Week 1:", "prefix": "#*# Week 1:", "type": "Week", "number": 2,
                                 "checks_once": {}, "checks_range": {}}]))
     with pytest.raises(DataError, match=r"Dataset_short.json: item 0 needs field 'checks_periodic'"):
-        list(LongGenBench(tokenizer, data_dir=tmp_path).samples())
+        list(LongGenBench(tokenizer, data_dir=tmp_path, judge_model=None).samples())
+
+
+# ------------------------------------------------------------------ official decoding and judge (issue 16)
+@pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")
+def test_official_sampling_by_default_greedy_as_an_option(tokenizer):
+    official = list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Week"], limit=2, max_length=32768,
+                                 judge_model=None).samples())
+    index = int(official[1].id.split("-")[1])
+    assert official[1].sampling == {"temperature": 0.95, "top_p": 0.95, "seed": 6211027 + index}  # inference.py
+    assert official[1].meta["decoding"] == "official"
+    greedy = LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Week"], limit=2, max_length=32768, judge_model=None,
+                          decoding="greedy")
+    assert all(s.sampling is None for s in greedy.samples())
+    with pytest.raises(ValueError, match="decoding"):
+        LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model=None, decoding="beam")
+
+
+@pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")
+def test_official_judge_is_the_default_and_its_absence_is_a_clear_error(tokenizer, monkeypatch):
+    import huggingface_hub
+
+    from icecache.models import ModelUnavailableError
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, filename: None)
+    with pytest.raises(ModelUnavailableError, match="Llama-3.1-8B-Instruct.*judge_model=null"):
+        LongGenBench(tokenizer, data_dir=DATA_DIR)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, filename: f"/cache/{repo}/{filename}")
+    assert LongGenBench(tokenizer, data_dir=DATA_DIR).judge_model == "llama-3.1-8b-instruct"
+    with pytest.raises(ValueError, match="not a registered model"):
+        LongGenBench(tokenizer, data_dir=DATA_DIR, judge_model="gpt-judge")
+
+
+def test_nucleus_sampling_keeps_the_top_p_mass_and_is_seeded():
+    import torch
+
+    from evals.runner import sample_token
+
+    scores = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    draws = [sample_token(scores, 1.0, 0.75, torch.Generator().manual_seed(s)) for s in range(300)]
+    assert set(draws) == {0, 1}  # 0.5 + 0.3 reaches 0.75: tokens 2 and 3 are cut
+    assert 0.5 < draws.count(0) / 300 < 0.75  # renormalised 0.625
+    assert {sample_token(scores, 1.0, 0.4, torch.Generator().manual_seed(s)) for s in range(50)} == {0}
+    assert sample_token(scores, 0.0, 0.95, torch.Generator()) == 0  # temperature 0 = greedy
+    same = [sample_token(scores, 0.95, 0.95, torch.Generator().manual_seed(7)) for _ in range(5)]
+    assert len(set(same)) == 1

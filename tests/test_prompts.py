@@ -6,6 +6,7 @@ scripts/data/template.py, IceCache benchmark/passkey_pred.py, mit-han-lab/Quest 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import shutil
 
 import numpy as np
@@ -40,6 +41,10 @@ QWEN3_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}")
+# Qwen3-4B-Instruct-2507 is non-thinking only: its template has no <think> block (enable_thinking is ignored).
+QWEN3_2507_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 # Mistral-7B-Instruct-v0.2's tokenizer template would put a space inside [INST] ... [/INST]; never used here.
 MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
                     "[/INST]{% endif %}{% endfor %}")
@@ -48,7 +53,7 @@ STUBS = {  # model -> (BOS the tokenizer adds, chat template of the real tokeniz
     "mistral-7b-instruct-v0.2": ("<s>", MISTRAL_TEMPLATE),
     "longchat-7b-v1.5": ("<s>", None),
     "qwen3-32b": (None, QWEN3_TEMPLATE),
-    "qwen3-4b-instruct-2507": (None, QWEN3_TEMPLATE),
+    "qwen3-4b-instruct-2507": (None, QWEN3_2507_TEMPLATE),
 }
 # LongBench config/dataset2prompt.json, "2wikimqa" (exact)
 WIKI_TEMPLATE = ("Answer the question based on the given passages. Only give me the answer and do not output any "
@@ -69,7 +74,7 @@ LONGBENCH_GOLDEN = {
     "mistral-7b-instruct-v0.2": "<s>[INST]" + USER + "[/INST]",
     "longchat-7b-v1.5": "<s>" + VICUNA + " USER: " + USER + " ASSISTANT:",
     "qwen3-32b": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-    "qwen3-4b-instruct-2507": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "qwen3-4b-instruct-2507": "<|im_start|>user\n" + USER + "<|im_end|>\n<|im_start|>assistant\n",
 }
 NIAH_1 = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
           "about the number afterwards.\n")
@@ -81,7 +86,7 @@ RULER_GOLDEN = {  # model -> (head, tail) around the task template (RULER script
     "mistral-7b-instruct-v0.2": ("[INST] ", " [/INST]"),
     "longchat-7b-v1.5": (VICUNA + " USER: ", " ASSISTANT:"),
     "qwen3-32b": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-    "qwen3-4b-instruct-2507": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    "qwen3-4b-instruct-2507": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 
 
@@ -102,7 +107,7 @@ def stub_tokenizer(bos: str | None, chat_template: str | None) -> PreTrainedToke
 
 def model_eval_config(model: str, suite: str) -> tuple[dict, dict]:
     """The resolved ``model`` and ``eval`` groups of ``run.py model=<model> eval=<suite>``."""
-    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=[f"model={model}", f"eval={suite}"]), resolve=True)
     opts = {k: v for k, v in cfg["eval"].items() if k != "name"}
@@ -237,3 +242,19 @@ def test_passkey_answers_compare_as_integers():
     suite = Passkey(tok, lengths=[200], length_unit="chars", depths=1)
     sample = next(suite.samples())
     assert suite.score(sample, "0" + sample.reference)["score"] == 1.0
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model")
+                                         .glob("*.yaml")))
+def test_every_model_config_names_its_wrappers_and_every_suite_resolves(model):
+    """Each model config's ``prompt:`` block reaches the suites (the run's resolved config records it)."""
+    for suite in ("longbench", "ruler", "passkey", "passkey_icecache", "passkey_quest", "gsm8k", "longgenbench"):
+        model_cfg, opts = model_eval_config(model, suite)
+        if suite == "longbench":
+            assert opts["chat_format"] == model_cfg["prompt"]["longbench"]
+            assert opts["system_prompt"] == model_cfg["prompt"]["system_prompt"]
+            assert opts["chat_template_kwargs"] == model_cfg["prompt"]["chat_template_kwargs"]
+        if suite == "ruler":
+            assert opts["model_template"] == model_cfg["prompt"]["ruler"]
+    qwen = model.startswith("qwen3")
+    assert (model_cfg["prompt"]["chat_template_kwargs"] == {"enable_thinking": False}) == qwen

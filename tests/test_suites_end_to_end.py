@@ -16,7 +16,8 @@ SUITES = {
     "longbench": ({"name": "longbench", "tasks": ["trec", "qasper"], "chat_format": "none"}, 4, "longbench_sample"),
     "gsm8k": ({"name": "gsm8k"}, 2, "gsm8k"),
     "ruler": ({"name": "ruler", "lengths": [8192], "tasks": ["niah_single_1", "qa_1"]}, 4, "squad"),
-    "longgenbench": ({"name": "longgenbench", "types": ["Week"], "max_new_tokens": 24}, 2, "longgenbench"),
+    "longgenbench": ({"name": "longgenbench", "types": ["Week"], "max_new_tokens": 24, "judge_model": None},
+                     2, "longgenbench"),
     "latency": ({"name": "latency", "lengths": [256, 512], "new_tokens": 6}, 2, None),
 }
 

@@ -142,7 +142,7 @@ def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefilled
     max_new = sample.max_new_tokens if cap is None or not sample.task.startswith("niah") else min(cap, sample.max_new_tokens)
     gen = generate(model, tokenizer, method, sample.prompt_ids, max_new, decode_ids=sample.decode_ids,
                    stop=sample.stop, ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
-                   min_new_tokens=sample.min_new_tokens, prefilled=prefilled)
+                   min_new_tokens=sample.min_new_tokens, eos_token_ids=sample.eos_token_ids, prefilled=prefilled)
     budgeted = [e for i, e in enumerate(gen.effective_tokens) if e is not None and method.is_budgeted(i)]
     return {"prediction": gen.text, "score": suite.score(sample, gen.text)["score"], "max_new_tokens": max_new,
             "max_attended_per_head": max(budgeted, default=None), "max_resident": gen.max_resident_tokens}
