@@ -190,7 +190,7 @@ def test_attends_exactly_sink_selected_pages_and_window(method):
         for i in (2, 3):
             st = drv.states[i]
             table = m.page_source(st).index.page_table
-            selection = m.page_source(st).selection
+            selection = st.selection if st.selection is not None else m.page_source(st).selection
             positions = []
             for h in range(H_KV):
                 pages = selection[h][selection[h] >= 0]
@@ -214,7 +214,8 @@ def test_attends_exactly_sink_selected_pages_and_window(method):
 def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
     # the window [256, 284) fills at the 4th step; its oldest page, evicted and inserted at the 5th,
     # holds copies of the keys at 100..115, so the insert changes the page of token 100 ...
-    m = make_method(method, budget=128, page_size=16, prop_to_retrieve=1.0, min_fov=1 << 20)
+    official_reuse = {"rerank": 0} if method == "icecache_reuse" else {}  # the reusing layer loads the anchor's pages
+    m = make_method(method, budget=128, page_size=16, prop_to_retrieve=1.0, min_fov=1 << 20, **official_reuse)
     drv = Driver(m, prompt=284, copy=(slice(256, 272), slice(100, 116)))
     st, anchor = drv.states[3], drv.states[2]
     # ... which a query aligned with key 100 selects (query head i reads KV head i // 2)
@@ -249,7 +250,7 @@ def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
 
 
 def test_reuse_layer_loads_its_own_kv_in_the_anchors_layout():
-    m = make_method("icecache_reuse", budget=128, page_size=16)
+    m = make_method("icecache_reuse", budget=128, page_size=16, rerank=0)
     drv = Driver(m, prompt=300)
     drv.step()
     anchor, st = drv.states[2], drv.states[3]
@@ -259,6 +260,40 @@ def test_reuse_layer_loads_its_own_kv_in_the_anchors_layout():
     heads = torch.arange(H_KV)[:, None, None].expand_as(st.slot_tokens)
     torch.testing.assert_close(st.slot_k[ok], drv.k[3][heads[ok], st.slot_tokens[ok]])
     assert not torch.equal(st.slot_k[ok], anchor.slot_k[ok])
+
+
+def test_rerank_attends_the_candidates_with_the_most_attention_of_the_layer():
+    """IceCache(reuse) with rerank: the anchor's selection is the first K of its m*K candidates; a reusing
+    layer attends the K candidates on which its own query group puts the most exact softmax mass (a direct
+    reference over its own keys), and loads its own K/V of them."""
+    m = make_method("icecache_reuse", budget=128, page_size=16, rerank=3)
+    drv = Driver(m, prompt=400)
+    for _ in range(3):
+        q, _ = drv.step()
+    anchor, st = drv.states[2], drv.states[3]
+    k = m.layout()[2]
+    assert anchor.candidates.shape[1] == 3 * k and torch.equal(anchor.selection, anchor.candidates[:, :k])
+    table = anchor.index.page_table
+    q3 = q  # the driver feeds one query to both layers; the keys differ
+    for h in range(H_KV):
+        masses = []
+        for page in anchor.candidates[h].tolist():
+            if page < 0:
+                continue
+            tokens = table[h, page][table[h, page] >= 0]
+            masses.append((page, tokens))
+        every = torch.cat([t for _, t in masses])
+        mass = {}
+        for qh in range(h * m.spec.group, (h + 1) * m.spec.group):
+            probs = torch.softmax((drv.k[3][h, every].double() @ q3[qh, 0].double()) * SPEC.scaling, -1)
+            split = torch.split(probs, [len(t) for _, t in masses])
+            for (page, _), p in zip(masses, split):
+                mass[page] = mass.get(page, 0.0) + float(p.sum())
+        expected = sorted(mass, key=mass.get, reverse=True)[:k]
+        assert sorted(st.selection[h].tolist()) == sorted(expected)
+    ok = st.slot_tokens >= 0
+    heads = torch.arange(H_KV)[:, None, None].expand_as(st.slot_tokens)
+    torch.testing.assert_close(st.slot_k[ok], drv.k[3][heads[ok], st.slot_tokens[ok]])
 
 
 def test_reuse_of_one_layer_is_icecache_exactly():
