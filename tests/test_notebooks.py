@@ -10,7 +10,7 @@ nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-REFERENCE = NOTEBOOKS.parent / "results" / "reference"
+REFERENCE = NOTEBOOKS.parent / "reference_results"
 
 
 def execute(name: str) -> list[str]:
