@@ -102,8 +102,9 @@ def _defaults(group: str, name) -> dict:
 
 
 def _typed_like(key: str, value, default):
-    """``value`` checked against the type of its default (a None default accepts anything)."""
-    if default is None or value is None:
+    """``value`` checked against the type of its scalar default (a None default accepts anything; a list or
+    mapping is left to the suite or method, e.g. ``eval.depths`` takes a count or a list of depths)."""
+    if default is None or value is None or isinstance(value, (list, dict)):
         return value
     if isinstance(default, bool):
         return _flag(key, value)
