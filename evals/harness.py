@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -152,6 +153,9 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
         _generate_rows(p, suite, todo, run, on_row)
         results.write_json(p.run_dir / "metrics.json", suite.aggregate(run.rows))
         results.write_json(p.run_dir / "timing.json", summarize_timing(run.rows, cfg))
+    if len(run.rows) > len(samples):
+        print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
+              f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
     # Optional W&B logging of the run directory (a no-op unless wandb.enabled=true); a rerun of a
     # finished directory logs its existing results.
     wandb_log.log_run(cfg, p.run_dir)
@@ -166,13 +170,14 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
                        cfg["device"], seed=cfg.get("seed", 0), progress=show)
     tokenizer = suite.tokenizer
     judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
+    segment = f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"  # this process's part of the run
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")))
-        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), pid=os.getpid())
+        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
         run.append(row)
@@ -237,7 +242,11 @@ def summarize_timing(rows: list[dict], cfg: dict) -> dict:
     effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
                  for i in range(len(layers[0]))] if layers else []
     tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
-    segments = {t.get("pid"): t["peak_memory_bytes"] for t in timings if t.get("peak_memory_bytes")}
+    segments: dict[str, int] = {}
+    for t in timings:
+        if t.get("peak_memory_bytes"):
+            key = t.get("segment")
+            segments[key] = max(segments.get(key, 0), t["peak_memory_bytes"])
     return {
         "n_samples": len(timings),
         "ttft_s": statistics.fmean([t["ttft_s"] for t in timings]) if timings else None,

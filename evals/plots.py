@@ -225,7 +225,8 @@ def passkey_heatmap(runs: dict[str, pd.DataFrame], out: Path, title: str = "") -
     """Passkey accuracy over context length (x) and needle depth (y), one panel per run
     (``runs``: label -> :func:`passkey_cells` frame)."""
     n = len(runs)
-    fig, axes = plt.subplots(1, n, figsize=(1.2 + 2.8 * n, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(1.2 + 3.0 * n, 3.6), squeeze=False)
+    fig.subplots_adjust(wspace=0.45)  # room for each panel's own depth labels
     image = None
     for ax, (label, cells) in zip(axes[0], runs.items()):  # each panel its own depth axis (no sharey)
         grid = cells.pivot(index="depth", columns="length", values="score").sort_index()

@@ -126,7 +126,7 @@ def test_peak_memory_after_a_resume_is_the_maximum_over_processes(tmp_path):
         run_eval(tiny_cfg(tmp_path), on_row=stop)
     run_dir = harness.plan(tiny_cfg(tmp_path)).run_dir
     row = json.loads(lines(run_dir)[0])
-    row["timing"].update(peak_memory_bytes=10**13, pid=-1)  # an earlier, bigger process segment
+    row["timing"].update(peak_memory_bytes=10**13, segment="an earlier process")  # an earlier, bigger process segment
     (run_dir / "predictions.jsonl").write_text(json.dumps(row) + "\n")
     run_eval(tiny_cfg(tmp_path))
     timing = json.loads((run_dir / "timing.json").read_text())
