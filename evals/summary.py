@@ -112,7 +112,8 @@ def collect(results_dir: str | Path) -> pd.DataFrame:
     for row, f, keys in zip(rows, flat, differing_settings(rows, flat)):
         row.update({k: f.get(k) for k in sorted(keys)})
         row["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={_text(f.get(k))}" for k in sorted(keys))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=[*KEYS, "budget", "seed", "run_dir", "status",
+                                                                  "variant"])
 
 
 def write_summary(results_dir: str | Path, frame: pd.DataFrame | None = None) -> Path:
