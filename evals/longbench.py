@@ -94,7 +94,7 @@ class LongBench(Suite):
             raise DataError(f"eval 'longbench': {self.folder / (missing[0] + '.jsonl')} not found; "
                             + HOW_TO_GET.format(available=", ".join(available) or "none"))
         if missing:
-            log.warning("longbench: running the %d tasks present in %s (%s); %d others have no data file",
+            log.warning("longbench: running the %d tasks present in %s (%s); %d others have no data file there",
                         len(present), self.folder, ", ".join(present), len(missing))
         return present
 
@@ -110,8 +110,10 @@ class LongBench(Suite):
     def _data_folder(self, longbench_dir: str) -> Path:
         folder = self.data_dir / longbench_dir
         if not folder.is_dir() and longbench_dir == DEFAULT_DIR and (self.data_dir / SAMPLE_DIR).is_dir():
-            log.warning("longbench: %s not found; using the small sample %s (4 rows per task, 6 tasks)",
-                        folder, self.data_dir / SAMPLE_DIR)
+            if self.hf_dataset is not None or all((self.data_dir / SAMPLE_DIR / f"{t}.jsonl").exists()
+                                                  for t in self.tasks):
+                log.warning("longbench: %s not found; using the small sample %s (4 rows per task, 6 tasks)",
+                            folder, self.data_dir / SAMPLE_DIR)  # (else _present_tasks says it in one line)
             folder = self.data_dir / SAMPLE_DIR
         return folder
 
