@@ -173,7 +173,7 @@ BAD = {
     "model.dtype=float8": ({"model": {"name": "tiny-llama", "dtype": "float8"}}, "model.dtype must be one of"),
     "cache.rerotate=maybe": ({"cache": {"name": "streaming_llm", "rerotate": "maybe"}},
                              "cache.rerotate must be true or false"),
-    "eval.depths=abc": ({"eval": {"name": "passkey", "depths": 1.5, "lengths": [160]}}, "eval.depths must be"),
+    "eval.depths=1.5": ({"eval": {"name": "passkey", "depths": 1.5, "lengths": [160]}}, "eval.depths must be"),
     "eval.max_new_tokens=0": ({"eval": {"name": "passkey", "max_new_tokens": 0}}, "eval.max_new_tokens must be >= 1"),
 }
 
