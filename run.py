@@ -1,7 +1,8 @@
 """Hydra entry point: ``python run.py eval=longbench cache=icecache budget=64``.
 
-Composes the config, validates it (names, budget, limit, data) before loading anything heavy, runs the
-suite and prints ``results: <run dir>`` as its last line. User errors print one line and exit 2;
+Composes the config, validates it (types, ranges, names, device, paths, data; evals/config_check.py)
+before loading anything heavy, runs the suite and prints ``results: <run dir>`` as its last line. It
+writes nothing outside the run directory (no ``outputs/`` folder; conf/config.yaml). User errors print one line and exit 2;
 ``debug=true`` or ``HYDRA_FULL_ERROR=1`` shows the traceback. In a sweep (``-m``) a user error is also raised,
 so the launcher (basic or submitit) records that job as failed, the other jobs still run, and
 Hydra reports the failed overrides at the end (exit status 1).
@@ -27,9 +28,9 @@ def main(cfg: DictConfig) -> str:
     from evals.report import print_run
 
     plain = OmegaConf.to_container(cfg, resolve=True)
-    debug = bool(plain.get("debug")) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    debug = plain.get("debug") is True or os.environ.get("HYDRA_FULL_ERROR") == "1"
     try:
-        run_dir = run_eval(plain, config_yaml=OmegaConf.to_yaml(cfg))
+        run_dir = run_eval(plain)  # config.yaml records the validated config (device=auto resolved)
     except USER_ERRORS as err:
         if debug:
             raise

@@ -108,10 +108,14 @@ def read_jsonl(path: Path, limit: int | None = None) -> Iterator[tuple[int, int,
     """``(index, line number, row)`` for the first ``limit`` non-blank lines of a JSON-lines file; a line
     that is not valid JSON is a :class:`DataError` naming the file and the line."""
     index = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             if limit is not None and index >= limit:
                 return
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}, line {lineno}: not UTF-8 text (byte {err.start}: {err.reason})") from None
             if not line.strip():
                 continue
             try:

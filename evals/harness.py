@@ -5,9 +5,11 @@ and sweeps can call :func:`run_eval` directly.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -19,23 +21,20 @@ import yaml
 
 from icecache.kv import BudgetError, KVMethod, make_method
 from icecache.kv.registry import UnknownNameError
-from icecache.models import MODELS, ModelUnavailableError, load_model, load_tokenizer
+from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_dtype
 
 from . import results, wandb_log
 from .base import DataError, resolve_budget
+from .config_check import ConfigError, check_config, check_results_dir
 from .registry import suite_class
 from .runner import generate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-
-class ConfigError(ValueError):
-    """A mistake in the run's configuration (bad option, value or combination)."""
-
-
 # Errors caused by the user's input: reported in one line, without a traceback (run.py).
 USER_ERRORS = (ConfigError, BudgetError, UnknownNameError, DataError, ModelUnavailableError,
                results.RunDirError, FileNotFoundError)
+__all__ = ["ConfigError", "USER_ERRORS", "Plan", "plan", "run_eval"]
 
 
 def resolve_path(p: str | None) -> Path | None:
@@ -67,15 +66,10 @@ class Plan:
 
 
 def plan(cfg: dict) -> Plan:
-    """Validates names, budget, limit and data before loading anything heavy."""
-    if cfg["model"]["name"] not in MODELS:
-        raise UnknownNameError(f"unknown model '{cfg['model']['name']}'; valid: {', '.join(sorted(MODELS))}")
-    limit = cfg.get("limit")
-    if limit is not None and int(limit) < 1:
-        raise ConfigError(f"limit must be >= 1 (max samples per task), got {limit}")
+    """Validates types, names, budget, limit, paths and data before loading anything heavy."""
+    cfg = check_config(cfg)
+    cfg["model"] = _model_settings(cfg["model"])
     budget = cfg.get("budget")
-    if budget is not None and float(budget) <= 0:
-        raise ConfigError(f"budget must be positive (tokens, or a fraction in (0, 1) of the prompt), got {budget}")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
         make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
@@ -89,33 +83,94 @@ def plan(cfg: dict) -> Plan:
     if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
         raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
                                 "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
-    cfg = dict(cfg, results_dir=str(resolve_path(cfg.get("results_dir", "results"))),
-               data_dir=None if data_dir is None else str(data_dir))
+    results_dir = resolve_path(cfg.get("results_dir") or "results")
+    check_results_dir(results_dir)
+    cfg = dict(cfg, results_dir=str(results_dir), data_dir=None if data_dir is None else str(data_dir))
     return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
+
+
+def _model_settings(model: dict) -> dict:
+    """The model group with its name checked (a custom name needs ``model.path``), its local files
+    checked, and, for an unregistered local model, the context length read from its ``config.json``."""
+    path = model.get("path")
+    if path is not None:
+        path = str(resolve_path(path))
+    entry = model_entry(model["name"], path)
+    if entry.source == "local" and entry.max_length:
+        model = dict(model, max_length=entry.max_length)
+    return dict(model, path=path)
 
 
 def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
     """Runs (or resumes) one evaluation and writes its run directory; returns its path."""
     p = plan(cfg)
+    cfg = p.cfg
     tokenizer = load_tokenizer(cfg["model"]["name"], cfg["model"].get("path"))
+    suite = _suite(p, tokenizer)
+    samples = list(suite.samples())
+    if not samples:
+        raise DataError(f"eval '{cfg['eval']['name']}' has no samples (empty data file or task list); "
+                        f"data_dir={cfg.get('data_dir')}")
+    run = results.RunDir(p.run_dir, cfg, config_yaml or yaml.safe_dump(cfg, sort_keys=False))
     try:
-        suite = p.suite_cls(tokenizer, data_dir=p.cfg["data_dir"], max_length=cfg["model"].get("max_length", 8192),
-                            seed=cfg.get("seed", 0), limit=cfg.get("limit"), **p.suite_options)
+        _run(p, suite, samples, run, on_row)
+    except BaseException:
+        run.discard_if_empty()
+        raise
+    finally:
+        run.close()
+    return p.run_dir
+
+
+def _suite(p: Plan, tokenizer):
+    cfg = p.cfg
+    try:
+        return p.suite_cls(tokenizer, data_dir=cfg["data_dir"], max_length=cfg["model"].get("max_length") or 8192,
+                           seed=cfg.get("seed", 0), limit=cfg.get("limit"), **p.suite_options)
     except TypeError as err:
         raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
     except ValueError as err:
         if isinstance(err, DataError):
             raise
         raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
-    samples = list(suite.samples())
-    run = results.RunDir(p.run_dir, p.cfg, config_yaml or yaml.safe_dump(p.cfg, sort_keys=False))
+
+
+def _up_to_date(run_dir: Path, rows: list[dict]) -> bool:
+    """metrics.json and timing.json exist and were computed from every row now in the directory."""
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        json.loads((run_dir / "timing.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return metrics.get("n_samples") == len(rows)
+
+
+def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
+    """Generates the samples not yet in ``run``, then (re)computes metrics and timing from all its rows."""
+    cfg = p.cfg
     todo = [s for s in samples if s.id not in run.done_ids()]
-    finished = run.done_ids() == {s.id for s in samples}  # (a larger earlier `limit` re-aggregates)
-    if finished and (p.run_dir / "metrics.json").exists() and (p.run_dir / "timing.json").exists():
-        return p.run_dir  # finished earlier: nothing to load, nothing to overwrite
+    if todo or not _up_to_date(p.run_dir, run.rows):
+        _generate_rows(p, suite, todo, run, on_row)
+        results.write_json(p.run_dir / "metrics.json", suite.aggregate(run.rows))
+        results.write_json(p.run_dir / "timing.json", summarize_timing(run.rows, cfg))
+    if len(run.rows) > len(samples):
+        print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
+              f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
+    # Optional W&B logging of the run directory (a no-op unless wandb.enabled=true); a rerun of a
+    # finished directory logs its existing results.
+    wandb_log.log_run(cfg, p.run_dir)
+
+
+def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> None:
+    if not todo:
+        return
+    cfg = p.cfg
+    show = cfg.get("progress", "auto") is not False
     model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
-                       cfg.get("device", "cpu"), seed=cfg.get("seed", 0))
+                       cfg["device"], seed=cfg.get("seed", 0), progress=show)
+    tokenizer = suite.tokenizer
     judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
+    segment = f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"  # this process's part of the run
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
@@ -123,20 +178,12 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
                        sampling=sample.sampling, eos_token_ids=sample.eos_token_ids)
+        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
-               "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": gen.timing()}
+               "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
         run.append(row)
         if on_row is not None:
             on_row(row)
-    wanted = {s.id for s in samples}
-    rows = [r for r in run.rows if r["id"] in wanted]
-    metrics = suite.aggregate(rows)
-    timing = summarize_timing(rows, model)
-    results.write_json(p.run_dir / "metrics.json", metrics)
-    results.write_json(p.run_dir / "timing.json", timing)
-    # Optional W&B logging of the finished run directory (a no-op unless wandb.enabled=true).
-    wandb_log.log_run(p.cfg, p.run_dir)
-    return p.run_dir
 
 
 def _judge(model, tokenizer, judge_model: str | None, cfg: dict):
@@ -149,7 +196,7 @@ def _judge(model, tokenizer, judge_model: str | None, cfg: dict):
     def judge(text: str, max_new_tokens: int) -> str:
         if judge_model and judge_model != cfg["model"]["name"]:
             if not loaded:
-                loaded["model"] = load_model(judge_model, device=cfg.get("device", "cpu"))
+                loaded["model"] = load_model(judge_model, device=cfg["device"])
                 loaded["tokenizer"] = load_tokenizer(judge_model)
             m, tok = loaded["model"], loaded["tokenizer"]
         else:
@@ -182,8 +229,9 @@ def _log_lines(items, label, every_s: float = 60.0):
             last = now
 
 
-def summarize_timing(rows: list[dict], model) -> dict:
-    """Pools per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3, breakdown per output token."""
+def summarize_timing(rows: list[dict], cfg: dict) -> dict:
+    """Pools per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3, breakdown per output token.
+    Peak memory is the maximum over every process that wrote rows (each row records its process's peak)."""
     timings = [r["timing"] for r in rows if r.get("timing")]
     intervals = [x for t in timings for x in t["intervals_s"]]
     n_tok = len(intervals)
@@ -195,6 +243,11 @@ def summarize_timing(rows: list[dict], model) -> dict:
     effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
                  for i in range(len(layers[0]))] if layers else []
     tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
+    segments: dict[str, int] = {}
+    for t in timings:
+        if t.get("peak_memory_bytes"):
+            key = t.get("segment")
+            segments[key] = max(segments.get(key, 0), t["peak_memory_bytes"])
     return {
         "n_samples": len(timings),
         "ttft_s": statistics.fmean([t["ttft_s"] for t in timings]) if timings else None,
@@ -206,8 +259,9 @@ def summarize_timing(rows: list[dict], model) -> dict:
         "effective_tokens_per_layer": effective,
         "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
-        "peak_memory_bytes": peak_memory_bytes(),
-        "environment": environment(model),
+        "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
+        "n_process_segments": len(segments),
+        "environment": run_environment(cfg),
     }
 
 
@@ -219,10 +273,22 @@ def peak_memory_bytes() -> int:
 
 
 def environment(model) -> dict:
-    import transformers
+    """Where a loaded model runs: its device and dtype, library versions and the machine."""
     param = next(model.parameters())
-    return {"device": str(param.device), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "processor": platform.processor() or platform.uname().machine,
-            "cpu_count": os.cpu_count(),
+    return {**_machine(), "device": str(param.device), "dtype": str(param.dtype),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def _machine() -> dict:
+    import transformers
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count()}
+
+
+def run_environment(cfg: dict) -> dict:
+    """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
+    library versions and the machine."""
+    device = cfg["device"]
+    return {**_machine(), "device": device, "dtype": str(resolve_dtype(cfg["model"].get("dtype", "auto"), device)),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}

@@ -55,10 +55,10 @@ CLASSIFICATION_TASKS = frozenset({"trec", "lsht"})
 CHAT_FORMATS = LONGBENCH_CHAT_FORMATS
 REQUIRED_FIELDS = ("input", "context", "answers")
 DEFAULT_DIR, SAMPLE_DIR, CONFIG_DIR = "longbench", "longbench_sample", "longbench_config"
-HOW_TO_GET = ("the full LongBench v1 test set is not among the shared data; unzip data/<task>.jsonl from "
-              "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip into {folder}, or set "
-              "eval.hf_dataset=THUDM/LongBench (or Xnhyacinth/LongBench) where the hub is reachable, or choose "
-              "available tasks with eval.tasks=[...]")
+HOW_TO_GET = ("available here: {available}. For other tasks unzip data/<task>.jsonl from "
+              "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip into a folder you can write "
+              "(e.g. ~/data/longbench) and pass eval.longbench_dir=/that/folder, or set "
+              "eval.hf_dataset=THUDM/LongBench where the hub is reachable")
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,22 @@ class LongBench(Suite):
         self.prompts = self._config("dataset2prompt.json")
         self.max_new = self._config("dataset2maxlen.json")
         self.folder = self._data_folder(longbench_dir)
-        for task in self.tasks:
-            if not (self.folder / f"{task}.jsonl").exists() and hf_dataset is None:
-                raise DataError(f"eval 'longbench': {self.folder / f'{task}.jsonl'} not found; "
-                                + HOW_TO_GET.format(folder=self.folder))
+        if hf_dataset is None:
+            self.tasks = self._present_tasks(explicit=tasks is not None or chinese)
+
+    def _present_tasks(self, explicit: bool) -> list[str]:
+        """The selected tasks whose file exists. By default (no ``eval.tasks``) the missing ones are skipped
+        with a one-line notice; a task asked for by name must exist."""
+        present = [t for t in self.tasks if (self.folder / f"{t}.jsonl").exists()]
+        available = sorted(p.stem for p in self.folder.glob("*.jsonl")) if self.folder.is_dir() else []
+        missing = [t for t in self.tasks if t not in present]
+        if missing and (explicit or not present):
+            raise DataError(f"eval 'longbench': {self.folder / (missing[0] + '.jsonl')} not found; "
+                            + HOW_TO_GET.format(available=", ".join(available) or "none"))
+        if missing:
+            log.warning("longbench: running the %d tasks present in %s (%s); %d others have no data file there",
+                        len(present), self.folder, ", ".join(present), len(missing))
+        return present
 
     # ---------------------------------------------------------------- data
     def _config(self, filename: str) -> dict:
@@ -107,8 +119,10 @@ class LongBench(Suite):
     def _data_folder(self, longbench_dir: str) -> Path:
         folder = self.data_dir / longbench_dir
         if not folder.is_dir() and longbench_dir == DEFAULT_DIR and (self.data_dir / SAMPLE_DIR).is_dir():
-            log.warning("longbench: %s not found; using the small sample %s (4 rows per task, 6 tasks)",
-                        folder, self.data_dir / SAMPLE_DIR)
+            if self.hf_dataset is not None or all((self.data_dir / SAMPLE_DIR / f"{t}.jsonl").exists()
+                                                  for t in self.tasks):
+                log.warning("longbench: %s not found; using the small sample %s (4 rows per task, 6 tasks)",
+                            folder, self.data_dir / SAMPLE_DIR)  # (else _present_tasks says it in one line)
             folder = self.data_dir / SAMPLE_DIR
         return folder
 

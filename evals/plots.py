@@ -10,12 +10,16 @@ latency runs' ``metrics.json`` and the passkey heat maps the passkey runs' ``pre
 * ``decode_latency_vs_length_<model>.png``  TPOT vs context length (latency suite)
 * ``passkey_heatmap_<model>.png``           passkey accuracy over length x depth, one panel per run
 
-Each method keeps one colour everywhere (:data:`METHOD_COLORS`).
+Each method keeps one colour everywhere (:data:`METHOD_COLORS`). Runs that differ in any other setting
+(the summary's ``variant``, e.g. ``question_via_decode=true``) are drawn as separate lines, points, bars
+and panels, labelled with that variant (and, if two runs still share a label, their directory): a figure
+never merges or drops a run. Heat-map cells show the number of samples behind each accuracy.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -40,7 +44,22 @@ def method_color(cache: str) -> str:
 
 
 def run_label(row) -> str:
-    return "full" if row["cache"] == "full" else f"{row['cache']} b{_budget_text(row['budget'])}"
+    label = "full" if row["cache"] == "full" else f"{row['cache']} b{_budget_text(row['budget'])}"
+    variant = _variant(row)
+    return f"{label} [{variant}]" if variant else label
+
+
+def _variant(row) -> str:
+    variant = row.get("variant") if hasattr(row, "get") else None
+    return "" if variant is None or pd.isna(variant) else str(variant)
+
+
+def unique_labels(frame: pd.DataFrame) -> list[str]:
+    """:func:`run_label` per row; labels that still collide get their run directory's name appended."""
+    labels = [run_label(row) for _, row in frame.iterrows()]
+    dirs = frame["run_dir"].tolist() if "run_dir" in frame else [str(i) for i in range(len(frame))]
+    return [f"{lab} ({Path(str(d)).parent.parent.parent.name}/{Path(str(d)).name})" if labels.count(lab) > 1 else lab
+            for lab, d in zip(labels, dirs)]
 
 
 def _budget_text(budget) -> str:
@@ -69,7 +88,7 @@ def _save(fig, out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # long titles and rotated labels are never clipped
     plt.close(fig)
     return out
 
@@ -78,21 +97,31 @@ def _sorted_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """Runs ordered full cache first, then by method and budget. The full cache ignores the budget, so
     of several full-cache runs (a sweep over budgets) only the first is kept."""
     frame = frame.assign(budget=pd.to_numeric(frame["budget"], errors="coerce"))
-    frame = frame.sort_values(["cache", "budget"], key=lambda c: c.map(lambda x: (x != "full", x))
+    if "variant" not in frame:
+        frame = frame.assign(variant="")
+    frame = frame.assign(variant=[_variant({"variant": v}) for v in frame["variant"]])
+    frame = frame.sort_values(["cache", "variant", "budget"], key=lambda c: c.map(lambda x: (x != "full", x))
                               if c.name == "cache" else c)
-    same = [c for c in ("eval", "model", "cache", "length") if c in frame]
+    same = [c for c in ("eval", "model", "cache", "variant", "length") if c in frame]
     return frame[~((frame["cache"] == "full") & frame.duplicated(same))]
+
+
+def _line_label(cache: str, variant: str) -> str:
+    return f"{cache} [{variant}]" if variant else cache
 
 
 def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     """Headline score vs KV budget (log2 axis), one line per method; the full cache as a dashed line."""
     frame = _sorted_runs(frame)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for cache, runs in frame.groupby("cache", sort=False):
+    styles = _variant_styles(frame)
+    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
         if cache == "full":
-            ax.axhline(runs["score"].mean(), ls="--", color=method_color(cache), label="full cache")
+            ax.axhline(runs["score"].mean(), ls="--", color=method_color(cache),
+                       label=_line_label("full cache", variant))
         else:
-            ax.plot(runs["budget"], runs["score"], marker="o", color=method_color(cache), label=cache)
+            ax.plot(runs["budget"], runs["score"], marker=styles[variant][0], ls=styles[variant][1],
+                    color=method_color(cache), label=_line_label(cache, variant))
     _log2_ticks(ax, frame.loc[frame["cache"] != "full", "budget"])
     ax.set_ylim(-3, 103)
     return _finish_line_plot(fig, ax, out, "KV budget (past tokens per head per layer)",
@@ -100,16 +129,33 @@ def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
                              title or "Score vs KV budget")
 
 
+def _variant_styles(frame: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """A marker and line style per variant (the plain run: circles, solid lines)."""
+    variants = sorted(set(frame["variant"]))
+    markers, lines = "osD^v<>px*", ["-", ":", "-.", (0, (5, 1))]
+    return {v: (markers[i % len(markers)], lines[i % len(lines)]) for i, v in enumerate(variants)}
+
+
 def latency_scatter(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """TT2T (s) vs TPOT (ms), one point per run in its method's colour, annotated with budget and score."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for cache, runs in _sorted_runs(frame).groupby("cache", sort=False):
-        ax.scatter(runs["tt2t_s"], 1000 * runs["tpot_s"], color=method_color(cache), label=cache, s=40)
+    """TT2T (s) vs TPOT (ms), one point per run in its method's colour (a marker per variant), annotated
+    with budget and score; labels alternate around their points so neighbours do not overlap."""
+    frame = _sorted_runs(frame)
+    styles = _variant_styles(frame)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    n = 0
+    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
+        ax.scatter(runs["tt2t_s"], 1000 * runs["tpot_s"], color=method_color(cache), marker=styles[variant][0],
+                   label=_line_label(cache, variant), s=40)
         for _, row in runs.iterrows():
-            note = f"b{_budget_text(row['budget'])}: {row['score']:.1f}" if cache != "full" else f"{row['score']:.1f}"
-            ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points", xytext=(4, 4),
+            score = "-" if pd.isna(row.get("score")) else f"{row['score']:.1f}"
+            note = f"b{_budget_text(row['budget'])}: {score}" if cache != "full" else score
+            offset = [(5, 5), (5, -11), (-40, 5), (-40, -11)][n % 4]
+            ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points", xytext=offset,
                         fontsize=7)
-    ax.margins(0.15)
+            n += 1
+    ax.margins(0.2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
     return _finish_line_plot(fig, ax, out, "time to second token, TT2T (s)",
                              "time per output token, TPOT (ms)",
                              title or "TT2T vs TPOT (labels: budget: score)")
@@ -120,7 +166,7 @@ def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     frame = _sorted_runs(frame)
     phases = [c.split("/", 1)[1] for c in frame.columns if c.startswith("breakdown/")]
     phases = [p for p in PHASE_COLORS if p in phases] + [p for p in phases if p not in PHASE_COLORS]
-    labels = [run_label(row) for _, row in frame.iterrows()]
+    labels = unique_labels(frame)
     fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(labels) + 2), 4))
     bottom = [0.0] * len(labels)
     for phase in phases:
@@ -143,6 +189,7 @@ def latency_by_length(frame: pd.DataFrame) -> pd.DataFrame:
         metrics = json.loads((Path(run["run_dir"]) / "metrics.json").read_text())
         for length, at in metrics.get("lengths", {}).items():
             rows.append({"cache": run["cache"], "budget": run["budget"], "model": run["model"], "length": int(length),
+                         "variant": _variant(run), "run_dir": run["run_dir"],
                          **{k: v for k, v in at.items() if k != "breakdown"},
                          **{f"breakdown/{p}": v for p, v in at.get("breakdown", {}).items()}})
     return pd.DataFrame(rows)
@@ -153,39 +200,46 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
     fig, ax = plt.subplots(figsize=(6, 4))
     markers = "osD^v<>px*"
     budgets = sorted({_budget_text(b) for b in table["budget"]})
-    for (cache, budget), runs in _sorted_runs(table).groupby(["cache", "budget"], sort=False, dropna=False):
+    groups = _sorted_runs(table).groupby(["cache", "budget", "variant", "run_dir"], sort=False, dropna=False)
+    for (cache, budget, variant, _), runs in groups:
         runs = runs.sort_values("length")
-        label = run_label({"cache": cache, "budget": budget})
+        label = run_label({"cache": cache, "budget": budget, "variant": variant})
         ax.plot(runs["length"], 1000 * runs["tpot_s"], color=method_color(cache), label=label,
                 marker=markers[budgets.index(_budget_text(budget)) % len(markers)])
     _log2_ticks(ax, table["length"])
+    ax.set_ylim(bottom=0)
     return _finish_line_plot(fig, ax, out, "context length (tokens)",
                              "decode latency per token, TPOT (ms)",
                              title or "Decode latency vs context length")
 
 
 def passkey_cells(run_dir: Path) -> pd.DataFrame:
-    """Mean passkey accuracy (%) per (length, depth) of one run, from its predictions."""
+    """Mean passkey accuracy (%) and sample count ``n`` per (length, depth) of one run, from its predictions."""
     rows = [{"length": r["meta"]["length"], "depth": r["meta"]["depth"], "score": 100 * r["scores"]["score"]}
             for r in load_predictions(Path(run_dir) / "predictions.jsonl")]
-    return pd.DataFrame(rows).groupby(["length", "depth"], as_index=False)["score"].mean()
+    return pd.DataFrame(rows).groupby(["length", "depth"], as_index=False).agg(
+        score=("score", "mean"), n=("score", "size"))
 
 
 def passkey_heatmap(runs: dict[str, pd.DataFrame], out: Path, title: str = "") -> Path:
     """Passkey accuracy over context length (x) and needle depth (y), one panel per run
     (``runs``: label -> :func:`passkey_cells` frame)."""
     n = len(runs)
-    fig, axes = plt.subplots(1, n, figsize=(1.2 + 2.6 * n, 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, n, figsize=(1.2 + 3.0 * n, 3.6), squeeze=False)
+    fig.subplots_adjust(wspace=0.45)  # room for each panel's own depth labels
     image = None
-    for ax, (label, cells) in zip(axes[0], runs.items()):
+    for ax, (label, cells) in zip(axes[0], runs.items()):  # each panel its own depth axis (no sharey)
         grid = cells.pivot(index="depth", columns="length", values="score").sort_index()
+        counts = cells.pivot(index="depth", columns="length", values="n").reindex_like(grid) \
+            if "n" in cells else None
         image = ax.imshow(grid.to_numpy(), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
         ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns], rotation=45)
         ax.set_yticks(range(grid.shape[0]), [f"{d:.0%}" for d in grid.index])
         ax.set_xlabel("context length (tokens)")
         ax.set_title(label, fontsize=9)
         for (i, j), v in pd.DataFrame(grid.to_numpy()).stack().items():
-            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+            n_cell = "" if counts is None else f"\nn={int(counts.iat[i, j])}"
+            ax.text(j, i, f"{v:.0f}{n_cell}", ha="center", va="center", fontsize=6)
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy (%)")
     fig.suptitle(title or "Passkey accuracy by length and depth")
@@ -212,7 +266,9 @@ def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
             paths.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
                                                   f"Decode latency vs context length ({model})"))
         if ev == "passkey":
-            cells = {run_label(row): passkey_cells(row["run_dir"]) for _, row in _sorted_runs(runs).iterrows()}
+            ordered = _sorted_runs(runs)
+            cells = {label: passkey_cells(row["run_dir"])
+                     for label, (_, row) in zip(unique_labels(ordered), ordered.iterrows())}
             paths.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
                                          f"Passkey accuracy by length and depth ({model})"))
     return paths
@@ -221,7 +277,7 @@ def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
 def make_all(results_dir: str | Path) -> list[Path]:
     """Writes ``<results_dir>/summary.csv`` and every figure into ``<results_dir>/figures``."""
     results_dir = Path(results_dir)
-    if not any(results_dir.rglob("config_hash")):
+    if not results_dir.is_dir() or not any(results_dir.rglob("config_hash")):
         raise FileNotFoundError(f"no run directories under {results_dir} (run `python run.py ...` first)")
     return figures(pd.read_csv(write_summary(results_dir)), results_dir / "figures")
 
@@ -251,7 +307,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Writes summary.csv and all figures of a results folder")
     parser.add_argument("results_dir", nargs="?", default="results")
     args = parser.parse_args(argv)
-    for path in make_all(args.results_dir):
+    try:
+        paths = make_all(args.results_dir)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for path in paths:
         print(f"figure: {path}")
 
 

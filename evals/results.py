@@ -1,48 +1,81 @@
 """Run directories: one per (eval, model, cache, budget, other overrides), derived from the config.
 
-Layout: ``<results_dir>/<eval>/<model>/<cache>-b<budget>[-<hash of other settings>]/`` holding
-``predictions.jsonl`` (appended, flushed and fsynced per sample; a rerun skips finished ids; a torn last
-line from a killed run is repaired), ``metrics.json``, ``timing.json`` and ``config.yaml`` (atomic
-writes). A directory written by a different config is never reused: ``config_hash`` is checked.
+Layout: ``<results_dir>/<eval>/<model>/<cache>-b<budget>-<hash of other settings>/`` holding
+``predictions.jsonl`` (appended, flushed and fsynced per sample; a rerun skips finished ids),
+``metrics.json``, ``timing.json`` and ``config.yaml`` (atomic writes, readable by the group and others
+as the umask allows). A directory written by a different config is never reused: ``config_hash`` is
+checked. ``limit`` is not part of a run's identity: every suite's ``limit`` selects a prefix of its
+samples, so a limited run computes the first samples of the full run, and the metrics are always
+recomputed from every row present (a ``limit=3`` rerun of a finished run changes nothing).
+
+Integrity: one process at a time writes a run directory (an exclusive ``flock`` on ``.lock``; a second
+process waits for it). A torn last line (a kill mid-write) is dropped; a malformed line elsewhere is moved
+to ``predictions.quarantine.jsonl`` and reported, and every valid row around it is kept.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 # Settings that do not change what a run computes, hence not part of its identity.
 NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "limit")
+QUARANTINE = "predictions.quarantine.jsonl"
 
 
 class RunDirError(RuntimeError):
-    """A run directory that belongs to another configuration."""
+    """A run directory that belongs to another configuration, or that cannot be written."""
+
+
+def canonical(value):
+    """Numbers in one spelling: a whole float is an int (``budget=64.0`` is the run ``budget=64``)."""
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    return value
+
+
+def _semantic(cfg: dict, drop: tuple[str, ...] = ()) -> str:
+    kept = {k: v for k, v in canonical(cfg).items() if k not in NON_SEMANTIC and k not in drop}
+    return json.dumps(kept, sort_keys=True, default=str)
 
 
 def config_hash(cfg: dict) -> str:
-    semantic = {k: v for k, v in cfg.items() if k not in NON_SEMANTIC}
-    return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return hashlib.sha256(_semantic(cfg).encode()).hexdigest()[:12]
 
 
 def run_dir_for(cfg: dict) -> Path:
     """The run directory of a resolved config (plain dict with ``eval``, ``model``, ``cache`` groups)."""
-    budget = cfg.get("budget")
+    budget = canonical(cfg.get("budget"))
     name = f"{cfg['cache']['name']}-b{budget if budget is not None else 'none'}"
-    extras = {k: v for k, v in cfg.items() if k not in (*NON_SEMANTIC, "budget")}
-    defaults_key = json.dumps(extras, sort_keys=True, default=str)
-    name += "-" + hashlib.sha256(defaults_key.encode()).hexdigest()[:8]
+    name += "-" + hashlib.sha256(_semantic(cfg, drop=("budget",)).encode()).hexdigest()[:8]
     return Path(cfg["results_dir"]) / cfg["eval"]["name"] / cfg["model"]["name"] / name
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
+    """Writes ``path`` all at once (temp file, fsync, rename) with the usual ``0666 & ~umask`` mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
 
 
@@ -50,15 +83,38 @@ def write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def _lock(path: Path):
+    """An exclusive lock on ``path/.lock``, waiting (with one notice) while another process holds it."""
+    f = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        print(f"waiting: {path} is being written by another process (pid {holder})", file=sys.stderr, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 class RunDir:
-    """A run directory opened for appending predictions."""
+    """A run directory opened (and locked) for appending predictions; :meth:`close` releases it."""
 
     def __init__(self, path: Path, cfg: dict, config_yaml: str):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.created = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot create the run directory {self.path}: {err.strerror}") from None
+        self._lock = _lock(self.path)
         self.hash = config_hash(cfg)
         stamp = self.path / "config_hash"
         if stamp.exists() and stamp.read_text().strip() != self.hash:
+            self.close()
             raise RunDirError(f"{self.path} was written by a different configuration (hash {stamp.read_text().strip()}"
                               f" != {self.hash}); use another results_dir or delete that directory")
         atomic_write_text(stamp, self.hash + "\n")
@@ -77,26 +133,55 @@ class RunDir:
             os.fsync(f.fileno())
         self.rows.append(row)
 
+    def close(self) -> None:
+        if self._lock is not None and not self._lock.closed:
+            self._lock.close()
+
+    def discard_if_empty(self) -> None:
+        """Removes a directory this run created and never wrote a row to (a run that failed early)."""
+        if self.created and not self.rows and not self.predictions.exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _parse(line: bytes) -> dict | None:
+    """A prediction row, or None when the line is not a JSON object with an ``id``."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and "id" in row else None
+
 
 def load_predictions(path: Path, repair: bool = False) -> list[dict]:
-    """Rows of a predictions file, one per id (first wins). A torn last line (no newline or not valid
-    JSON, as left by a kill mid-write) is dropped and, with ``repair``, cut from the file."""
+    """Rows of a predictions file, one per id (first wins). A torn last line (no newline, as left by a
+    kill mid-write) is dropped; any other line that is not a valid row is skipped. With ``repair`` the file
+    is rewritten with the valid rows only and each bad line is kept in ``predictions.quarantine.jsonl``."""
     if not path.exists():
         return []
     data = path.read_bytes()
-    rows, seen, good_until = [], set(), 0
-    for line in data.splitlines(keepends=True):
-        try:
-            if not line.endswith(b"\n"):
-                raise ValueError("torn line")
-            row = json.loads(line)
-        except ValueError:
-            break
-        good_until += len(line)
+    rows, seen, kept, bad = [], set(), [], []
+    for lineno, line in enumerate(data.splitlines(keepends=True), start=1):
+        row = _parse(line) if line.endswith(b"\n") else None
+        if row is None:
+            if line.endswith(b"\n") and line.strip():
+                bad.append((lineno, line))
+            continue
+        kept.append(line)
         if row["id"] not in seen:
             seen.add(row["id"])
             rows.append(row)
-    if repair and good_until < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good_until)
+    if repair and len(b"".join(kept)) < len(data):
+        _quarantine(path, bad)
+        atomic_write_text(path, b"".join(kept).decode("utf-8", errors="replace"))
     return rows
+
+
+def _quarantine(path: Path, bad: list[tuple[int, bytes]]) -> None:
+    if not bad:
+        return
+    side = path.with_name(QUARANTINE)
+    with open(side, "ab") as f:
+        f.write(b"".join(line for _, line in bad))
+    lines = ", ".join(str(n) for n, _ in bad)
+    print(f"warning: {path}: malformed line(s) {lines} moved to {side}; the valid rows are kept",
+          file=sys.stderr, flush=True)

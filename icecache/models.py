@@ -114,39 +114,79 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
+def _config_max_length(path: str) -> int:
+    """The context length in a checkpoint's ``config.json`` (``max_position_embeddings``), 0 if absent."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(f"{Path(path) / 'config.json'}: cannot read the model config ({err})") from None
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    return int(text.get("max_position_embeddings") or 0)
+
+
+def model_entry(name: str, path: str | None = None) -> ModelEntry:
+    """The registered model ``name``, or (with ``path``) a local checkpoint under a name of its own: its
+    architecture and context length are read from its ``config.json``."""
+    if name in MODELS:
+        return MODELS[name]
+    if path:
+        check_local_checkpoint(name, path)
+        return ModelEntry(name, "local", max_length=_config_max_length(path))
+    from icecache.kv.registry import UnknownNameError
+
+    raise UnknownNameError(f"unknown model '{name}'; valid: {', '.join(sorted(MODELS))}, or any name with "
+                           "model.path=/dir/with/config.json")
+
+
+def check_local_checkpoint(name: str, path: str) -> None:
+    """A local model directory exists, holds weights, and every ``*.safetensors`` header is readable
+    (a truncated or corrupt file is named here, before the model loads)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelUnavailableError(f"{name}: model.path={path} does not exist")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("*.bin")):
+        raise ModelUnavailableError(f"{name}: no weights (*.safetensors or *.bin) in model.path={path}")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as err:  # safetensors raises its own SafetensorError (and OSError)
+            raise ModelUnavailableError(f"{name}: {file} is not a valid safetensors file ({err})") from None
+
+
 def resolve_path(name: str, path: str | None) -> str:
     """Where to load ``name`` from: an explicit local path, the converted SmolLM2, or the hub id."""
-    entry = MODELS[name]
+    entry = model_entry(name, path)
     if path:
-        if not Path(path).exists():
-            raise ModelUnavailableError(f"{name}: model.path={path} does not exist")
-        if not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
-            raise ModelUnavailableError(f"{name}: no weights (*.safetensors or *.bin) in model.path={path}")
+        check_local_checkpoint(name, path)
         return path
     if entry.source == "smollm2":
         return str(smollm2_checkpoint())
     return entry.repo_id
 
 
-def _entry(name: str) -> ModelEntry:
-    if name not in MODELS:
-        from icecache.kv.registry import UnknownNameError
-
-        raise UnknownNameError(f"unknown model '{name}'; valid: {', '.join(sorted(MODELS))}")
-    return MODELS[name]
+def _entry(name: str, path: str | None = None) -> ModelEntry:
+    return model_entry(name, path)
 
 
 def _unavailable(name: str, where: str, err: Exception) -> ModelUnavailableError:
+    repo = MODELS[name].repo_id if name in MODELS else where
     return ModelUnavailableError(
-        f"{name}: cannot load '{where}' ({err.__class__.__name__}). Download the weights where the hub is "
-        f"reachable (huggingface-cli download {MODELS[name].repo_id}) or pass model.path=/local/dir")
+        f"{name}: cannot load '{where}' ({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''})."
+        f" Download the weights where the hub is reachable (huggingface-cli download {repo}) or pass "
+        "model.path=/local/dir")
 
 
 def load_tokenizer(name: str, path: str | None = None):
     """The tokenizer alone (cheap): suites are built and validated before the model is loaded."""
     from transformers import AutoTokenizer
 
-    if _entry(name).source == "tiny":
+    if _entry(name, path).source == "tiny":
         return tiny_tokenizer()
     where = resolve_path(name, path)
     try:
@@ -163,12 +203,17 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_model(name: str, path: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0):
+def load_model(name: str, path: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+               progress: bool = True):
     """The model in eval mode. Hub models need weights in the local HF cache or a ``model.path``; a clear
-    :class:`ModelUnavailableError` says how to provide them otherwise."""
+    :class:`ModelUnavailableError` says how to provide them otherwise. ``progress=False`` silences
+    transformers' weight-loading bar."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    entry = _entry(name)
+    if not progress:
+        hf_logging.disable_progress_bar()
+    entry = _entry(name, path)
     torch_dtype = resolve_dtype(dtype, device)
     if entry.source == "tiny":
         torch.manual_seed(seed)
@@ -176,5 +221,5 @@ def load_model(name: str, path: str | None = None, dtype: str = "auto", device: 
     where = resolve_path(name, path)
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype).to(device).eval()
-    except OSError as err:
+    except (OSError, ValueError) as err:
         raise _unavailable(name, where, err) from None

@@ -10,7 +10,7 @@ nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-REFERENCE = NOTEBOOKS.parent / "results" / "reference"
+REFERENCE = NOTEBOOKS.parent / "reference_results"
 
 
 def execute(name: str) -> list[str]:
@@ -25,6 +25,7 @@ def execute(name: str) -> list[str]:
 def test_paper_figures_regenerates_every_figure_from_the_reference_results(tmp_path, monkeypatch):
     assert any(REFERENCE.rglob("metrics.json")), "the committed reference results are missing"
     monkeypatch.setenv("FIGURES_DIR", str(tmp_path))
+    monkeypatch.setenv("RESULTS_DIR", str(REFERENCE))
     text = "\n".join(execute("paper_figures.ipynb"))
     names = {p.name for p in tmp_path.glob("*.png")}
     assert {"accuracy_vs_budget_passkey_smollm2-135m.png", "passkey_heatmap_smollm2-135m.png",

@@ -9,6 +9,11 @@ Phases are explicit: the runner calls :meth:`KVCache.begin_prefill`, :meth:`KVCa
 :meth:`KVCache.end_step`. Inside ``model.generate`` nobody calls them, so a cache that was never told
 runs in *generate mode*: its first forward pass is the prefill and every later pass is decoding (a
 pass with several new tokens is decoded token by token, which is exactly causal).
+
+A cache serves one sequence. ``model.generate`` marks a user-supplied cache at the start of every call;
+a cache that already holds a sequence refuses a second call with a clear error (transformers would
+otherwise continue the first sequence with the new prompt, or fail on a shorter one with an unrelated
+reshape error). :meth:`KVCache.reset` empties it for a new prompt.
 """
 from __future__ import annotations
 
@@ -51,20 +56,46 @@ class MethodLayer(compat.CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        raise NotImplementedError("a KVCache cannot be reset; make a new one with make_cache(...)")
+        raise NotImplementedError("reset the whole cache with KVCache.reset(), not one layer")
 
 
 class KVCache(compat.Cache):
     """What users pass to ``model(...)``/``model.generate(...)`` as ``past_key_values``."""
 
     def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False):
-        method.bind(spec)
         self.method, self.spec = method, spec
-        self.states = [method.new_state(i) for i in range(spec.n_layers)]
-        super().__init__(layers=[MethodLayer(s) for s in self.states])
         self.timer = PhaseTimer(sync=profile)
+        self._bind_fresh()
+        super().__init__(layers=self.layers)
+
+    def _bind_fresh(self) -> None:
+        self.method.bind(self.spec)
+        self.states = [self.method.new_state(i) for i in range(self.spec.n_layers)]
+        self.layers = [MethodLayer(s) for s in self.states]
         self.phase = "new"  # new -> prefill -> decode
         self.explicit_phases = False
+
+    def reset(self) -> None:
+        """Empties the cache (same method, same budget) so it can serve a new, unrelated prompt."""
+        self.wait_background()
+        self.method.close()
+        self._bind_fresh()
+
+    def n_tokens(self) -> int:
+        """Tokens of the sequence this cache holds (0 when new or reset)."""
+        return self.states[0].n_seen if self.states else 0
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return True
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' generate() sets this on a user-supplied cache at the start of every call
+        if self.n_tokens():
+            raise RuntimeError(
+                f"this KVCache already holds a sequence of {self.n_tokens()} tokens and serves one prompt; call "
+                "cache.reset() before generating for a new prompt (or make a new cache with make_cache(...))")
 
     # ------------------------------------------------------------------ phases (explicit)
     def begin_prefill(self) -> None:
