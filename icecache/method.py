@@ -177,6 +177,9 @@ class IceCache(KVMethod):
         return sink, self.n_window_pages, pages - sink - self.n_window_pages
 
     def check_budget(self) -> None:
+        for key in ("page_size", "n_sink_pages", "n_window_pages", "n_dense_layers", "gqa_candidates"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
+                raise ValueError(f"{self.name}: {key} must be a whole number, got {getattr(self, key)!r}")
         if self.budget_layout not in ("auto", "fixed"):
             raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
         if self.gqa_merge not in MERGE_MODES:
