@@ -62,7 +62,7 @@ class KVCache(compat.Cache):
         self.method, self.spec = method, spec
         self.states = [method.new_state(i) for i in range(spec.n_layers)]
         super().__init__(layers=[MethodLayer(s) for s in self.states])
-        self.timer = PhaseTimer(sync=profile)
+        self.timer = PhaseTimer(sync=profile, device=spec.device)
         self.phase = "new"  # new -> prefill -> decode
         self.explicit_phases = False
 
@@ -107,8 +107,9 @@ class KVCache(compat.Cache):
 
     # ------------------------------------------------------------------ reporting
     def effective_tokens(self) -> list[float | None]:
-        """Mean past tokens attended per head at a decode step, per layer (None before decoding)."""
-        return [s.attended_sum / s.attended_steps if s.attended_steps else None for s in self.states]
+        """Mean past tokens attended per head at a decode step, per layer (None before decoding); reads
+        the device-side sums once (the only host sync of the accounting)."""
+        return [float(s.attended_sum) / s.attended_steps if s.attended_steps else None for s in self.states]
 
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]
