@@ -205,7 +205,8 @@ def summarize_timing(rows: list[dict], model) -> dict:
         "effective_tokens_per_layer": effective,
         "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
-        "peak_memory_bytes": peak_memory_bytes(),
+        "peak_memory_bytes": max((t["peak_memory_bytes"] for t in timings if t.get("peak_memory_bytes")),
+                                 default=None) or peak_memory_bytes(),  # CUDA: per-generation peaks
         "environment": environment(model),
     }
 
