@@ -76,7 +76,8 @@ def test_pqcache_appends_one_row_per_step_into_its_store():
         assert st.store.n <= st.store.k_data.shape[1] <= grown_capacity(st.store.n)  # sized to its content
         # the resident sinks and recent window equal the first and last stored rows
         window = st.k.shape[1] - 4
-        assert torch.equal(st.store.keys()[:, :4], st.k[:, :4]) and torch.equal(st.store.keys()[:, -window:], st.k[:, 4:])
+        assert torch.equal(st.store.keys()[:, :4], st.k[:, :4])
+        assert torch.equal(st.store.keys()[:, -window:], st.k[:, 4:])
         assert torch.equal(st.store.values()[:, -window:], st.v[:, 4:])
 
 
