@@ -30,7 +30,8 @@ from typing import ClassVar
 import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-from icecache.offload import to_store
+from icecache.kv.method import append_to_buffer
+from icecache.offload import HostKV
 
 
 def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
@@ -89,13 +90,13 @@ def group_topk(scores: torch.Tensor, scaling: float, n_kv_heads: int, k: int) ->
 
 class PQState(LayerState):
     """Resident (what ``resident_tokens`` counts): sinks + recent window (``k, v, pos``); the top-k are
-    gathered per step and dropped after attention. Offload store: every token (``store_k/v``).
-    PQ: ``centroids [H_kv, m, C, d/m]`` and ``codes [H_kv, n_coded, m]`` for positions ``n_sink...``."""
+    gathered per step and dropped after attention. Offload store: every token (``store``, a growable
+    :class:`~icecache.offload.HostKV`, pinned on CUDA). PQ: ``centroids [H_kv, m, C, d/m]`` and
+    ``codes [H_kv, n_coded, m]`` (a prefix view of a growable buffer) for positions ``n_sink...``."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
-        self.store_k: torch.Tensor | None = None
-        self.store_v: torch.Tensor | None = None
+        self.store: HostKV | None = None
         self.centroids: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
         self.bytes_moved = 0
@@ -151,10 +152,10 @@ class PQCache(KVMethod):
     def finish_prefill(self, st: PQState) -> None:
         if st.n_seen <= self.n_sink:
             raise ValueError(f"pqcache: the prompt ({st.n_seen} tokens) must be longer than n_sink={self.n_sink}")
-        st.store_k, st.store_v = to_store(st.k), to_store(st.v)
+        st.store = HostKV.copy_of(st.k, st.v)
         self.trim_window(st)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + st.layer_idx)
-        self.submit_background(st, self.build_codebook, st, st.store_k[:, self.n_sink:], generator)
+        self.submit_background(st, self.build_codebook, st, st.store.keys()[:, self.n_sink:], generator)
 
     def build_codebook(self, st: PQState, keys: torch.Tensor, generator: torch.Generator) -> None:
         """k-means per (KV head, subspace) on the non-sink prompt keys (background worker)."""
@@ -168,23 +169,27 @@ class PQCache(KVMethod):
     # ------------------------------------------------------------------ decode
     def select(self, st: PQState, q: torch.Tensor) -> torch.Tensor:
         """Positions ``[H_kv, k]`` of the top-k candidates per KV head."""
-        n_cand = int(st.pos[self.n_sink]) - self.n_sink  # tokens between the sinks and the window
+        n_cand = self.n_candidates(st)
         if n_cand == 0:
             return torch.empty(self.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
         scores = lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand])
         return group_topk(scores, self.spec.scaling, self.spec.n_kv_heads, self.topk) + self.n_sink
 
+    @staticmethod
+    def n_candidates(st: PQState) -> int:
+        """Tokens between the sinks and the recent window, from shapes (no host sync): the resident set is
+        the sinks plus a window of consecutive positions ending at the newest token."""
+        return st.n_seen - st.k.shape[1]
+
     def fetch(self, st: PQState, selection: torch.Tensor) -> Fetched:
-        idx = selection.cpu()[..., None].expand(-1, -1, st.store_k.shape[-1])
-        k = st.store_k.gather(1, idx).to(st.k.device, non_blocking=True)
-        v = st.store_v.gather(1, idx).to(st.v.device, non_blocking=True)
+        k, v = st.store.gather(selection.cpu().numpy())  # the indices must reach the host store: one copy
+        k, v = k.to(st.k.device, non_blocking=True), v.to(st.v.device, non_blocking=True)
         st.bytes_moved += k.numel() * k.element_size() + v.numel() * v.element_size()
         return Fetched(torch.cat([k, st.k], dim=1), torch.cat([v, st.v], dim=1))
 
     def append(self, st: PQState, k: torch.Tensor, v: torch.Tensor) -> None:
         super().append(st, k, v)
-        st.store_k = torch.cat([st.store_k, to_store(k)], dim=1)
-        st.store_v = torch.cat([st.store_v, to_store(v)], dim=1)
+        st.store.append(k, v)  # one row into the preallocated store (official pq_search.py)
 
     def observe(self, st: PQState, q, fetched, selection) -> None:
         self.trim_window(st)
@@ -195,17 +200,19 @@ class PQCache(KVMethod):
         n_window = st.k.shape[1] - self.n_sink
         if n_window <= self.recent:
             return
-        leaving = range(self.n_sink, self.n_sink + n_window - self.recent)
+        n_leave, first = n_window - self.recent, st.n_seen - n_window  # first: position of the oldest window token
         if st.codes is not None:  # prompt tokens were coded by k-means; only generated ones need a code
-            for j in leaving:
-                if int(st.pos[j]) - self.n_sink >= st.codes.shape[1]:
-                    self.assign_code(st, st.k[:, j:j + 1])
+            uncoded = max(0, self.n_sink + st.codes.shape[1] - first)  # leaving tokens that already have one
+            if uncoded < n_leave:
+                self.assign_code(st, st.k[:, self.n_sink + uncoded: self.n_sink + n_leave])
         keep = torch.cat([torch.arange(self.n_sink), torch.arange(self.n_sink + n_window - self.recent,
                                                                   st.k.shape[1])]).to(st.k.device)
         st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
 
     def assign_code(self, st: PQState, k: torch.Tensor) -> None:
-        sub = split_subvectors(k, self.n_subvec)  # [H, m, 1, ds]
-        h, m = sub.shape[:2]
-        codes = nearest_centroid(sub.reshape(h * m, 1, -1), st.centroids.reshape(h * m, *st.centroids.shape[2:]))
-        st.codes = torch.cat([st.codes, codes.reshape(h, m, 1).permute(0, 2, 1)], dim=1)
+        """Appends the nearest-centroid codes of the tokens ``k: [H, t, d]`` (amortised O(1) per token)."""
+        sub = split_subvectors(k, self.n_subvec)  # [H, m, t, ds]
+        h, m, t = sub.shape[:3]
+        codes = nearest_centroid(sub.reshape(h * m, t, -1), st.centroids.reshape(h * m, *st.centroids.shape[2:]))
+        new = codes.reshape(h, m, t).permute(0, 2, 1)
+        st.buffers["codes"], st.codes = append_to_buffer(st.buffers.get("codes"), st.codes, new)

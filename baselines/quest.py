@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
+from icecache.kv.method import append_to_buffer
 
 
 class QuestState(LayerState):
@@ -93,9 +94,10 @@ class Quest(KVMethod):
         lo, hi = page_min_max(st.k[:, first_page * self.page_size:], self.page_size)
         if st.kmin is None:
             st.kmin, st.kmax = lo, hi
-        else:
-            st.kmin = torch.cat([st.kmin[:, :first_page], lo], dim=1)
-            st.kmax = torch.cat([st.kmax[:, :first_page], hi], dim=1)
+            return
+        st.kmin, st.kmax = st.kmin[:, :first_page], st.kmax[:, :first_page]  # the touched pages are rewritten
+        st.buffers["kmin"], st.kmin = append_to_buffer(st.buffers.get("kmin"), st.kmin, lo)
+        st.buffers["kmax"], st.kmax = append_to_buffer(st.buffers.get("kmax"), st.kmax, hi)
 
     def select(self, st: QuestState, q: torch.Tensor) -> torch.Tensor | None:
         """``[H_q, min(budget / page_size, pages)]`` page ids per query head, or None in a dense layer."""
@@ -116,8 +118,13 @@ class Quest(KVMethod):
         valid = tokens < n
         tokens = tokens.clamp(max=n - 1)
         kv_head = (torch.arange(pages.shape[0], device=pages.device) // self.spec.group)[:, None]
-        st.max_attended = int(valid.sum(-1).max()) - 1
-        return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid)
+        st.max_attended = self.attended_past(n, pages.shape[1])
+        return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid, n_past=float(st.max_attended))
+
+    def attended_past(self, n: int, top: int) -> int:
+        """Past tokens each head attends to, from shapes (no host sync): ``top`` pages of ``n`` tokens, all
+        full but the last one, which every head attends (``ceil(n / page_size) * page_size - n`` empty slots)."""
+        return top * self.page_size - (-n % self.page_size) - 1
 
     def check_resident(self, st: QuestState) -> None:
         """All keys stay resident (no offload in Quest); debug mode checks the attended set instead."""

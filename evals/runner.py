@@ -40,12 +40,13 @@ class Generation:
     effective_tokens: list[float | None] = field(default_factory=list)
     max_resident_tokens: int = 0
     transfer_bytes: int = 0  # bytes moved from offload stores over tokens 3..N
+    peak_memory_bytes: int | None = None  # CUDA: max allocated during this generation (weights included)
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
                 "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
                 "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens,
-                "transfer_bytes": self.transfer_bytes}
+                "transfer_bytes": self.transfer_bytes, "peak_memory_bytes": self.peak_memory_bytes}
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -88,6 +89,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
         if sampling:
             return sample_token(scores, float(sampling["temperature"]), float(sampling["top_p"]), rng)
         return int(scores.argmax())
+    if device.type == "cuda":  # per generation, not since the process started (earlier runs, other methods)
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         start = _now(device)
         cache.begin_prefill()
@@ -123,7 +126,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             token_ids=out, text=_cut_at_stop(text, stop), n_prompt_tokens=len(prompt_ids) + len(decode_ids),
             ttft_s=stamps[0] - start, tt2t_s=stamps[1] - start if len(stamps) > 1 else None,
             intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
-            effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved)
+            effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
+            peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)
     finally:
         cache.close()
 

@@ -294,7 +294,7 @@ class IceCache(KVMethod):
         s = self.page_size
         positions = torch.arange(st.win_start, st.win_start + s)
         oldest = self.window_slots(st, positions).to(st.res_k.device)
-        k, v = st.res_k[:, oldest], st.res_v[:, oldest]  # copies (advanced indexing)
+        k, v = torch.stack((st.res_k[:, oldest], st.res_v[:, oldest])).cpu()  # one device-to-host copy
         st.store.append(k, v)
         st.res_valid[:, oldest] = False
         st.win_start, st.win_len = st.win_start + s, st.win_len - s
@@ -318,8 +318,8 @@ class IceCache(KVMethod):
         st.win_len += k.shape[1]
 
     def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Inserts the keys ``[H_kv, s, d]`` evicted from the window; returns the changed-page flags."""
-        st.changed, st.changed_at = st.index.insert(keys.cpu(), positions), st.n_seen
+        """Inserts the host keys ``[H_kv, s, d]`` evicted from the window; returns the changed-page flags."""
+        st.changed, st.changed_at = st.index.insert(keys, positions), st.n_seen
         return st.changed
 
     @staticmethod
@@ -387,8 +387,10 @@ class IceCache(KVMethod):
         """The resident buffer in place: sink + page slots + window (current token included), the empty
         slots of under-filled or unused pages and unused window slots masked."""
         h, w, s, _ = st.slot_k.shape
-        st.res_valid[:, st.n_sink_tokens: st.win_offset] = (st.slot_tokens >= 0).view(h, w * s).to(st.res_valid.device)
-        return Fetched(st.res_k, st.res_v, st.res_valid)
+        filled = st.slot_tokens >= 0
+        st.res_valid[:, st.n_sink_tokens: st.win_offset] = filled.view(h, w * s).to(st.res_valid.device)
+        n_past = st.n_sink_tokens + np.count_nonzero(filled.numpy()) / h + st.win_len - 1  # host count, no sync
+        return Fetched(st.res_k, st.res_v, st.res_valid, n_past=n_past)
 
     def attended_positions(self, st: IceState) -> torch.Tensor:
         """Absolute positions ``[H_kv, R]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure

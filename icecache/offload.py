@@ -1,13 +1,15 @@
-"""IceCache's offload store and page bulk loader (reference/icecache.md §4 step 5, §5; DESIGN.md "Devices").
+"""The host offload stores: :class:`HostKV` for every offloading method, and IceCache's :class:`OffloadStore`
+with its page bulk loader (Mao et al., "IceCache", ICLR 2026, §4 "Decoding" and §5).
 
 :class:`OffloadStore` holds the K/V of one layer's offloaded tokens in host memory (pinned when the
 model runs on CUDA), indexed by absolute token position. The M-DCI index's ``page_table`` says which
 positions make up each (KV head, page); :meth:`OffloadStore.bulk_load` moves a list of such pages to the
 device the way the official ``recall`` + ``scatter_pages`` do:
 
-1. pack every requested (head, page) block into one host *transit buffer* ``[2, N, page_size, d]``
-   (all Ks, then all Vs; the official ``copy_to_buffer``),
-2. **one** host-to-device copy of the used prefix (non-blocking, on a side stream, then synchronised),
+1. pack every requested (head, page) block into the contiguous prefix ``[2, N, page_size, d]`` of one
+   host *transit buffer* (all Ks, then all Vs; the official ``copy_to_buffer``),
+2. **one** host-to-device copy of that contiguous prefix (non-blocking, on a side stream that the
+   compute stream waits for),
 3. the caller scatters the blocks into its resident page slots.
 
 The store is token-indexed rather than page-laid-out: the index's pages are re-read from its
@@ -21,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from icecache.kv.method import grown_capacity
+
 
 def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised host buffer, page-locked (pinned) when ``pin`` (the model runs on CUDA)."""
@@ -28,14 +32,91 @@ def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 def to_store(x: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``x`` for a baseline's offload store, pinned when the model runs on CUDA."""
-    host = x.detach().to("cpu", copy=True)
-    return host.pin_memory() if x.is_cuda else host
+    """A host copy of ``x`` for a baseline's (append-free) offload store: one copy, straight into pinned
+    memory when ``x`` is on CUDA."""
+    return host_empty(x.shape, x.dtype, x.is_cuda).copy_(x.detach())
 
 
-class OffloadStore:
-    """Host-memory K/V ``k_data, v_data: [H_kv, capacity, d]`` of one layer; row ``r`` holds position
-    ``base_pos + r``, and positions ``first_pos .. end_pos - 1`` are the stored (offloaded) ones.
+class HostKV:
+    """Growable host-memory K/V ``k_data, v_data: [H, capacity, d]`` of one layer, shared by every
+    offloading method; row ``r`` holds position ``base_pos + r``, and positions ``first_pos .. end_pos - 1``
+    are the stored ones. :meth:`append` writes the new rows in place and grows the capacity geometrically
+    (:func:`~icecache.kv.method.grown_capacity`), so a decode step copies one token, not the store (the
+    official PQCache writes one row into a preallocated buffer: ``vq_method/retrieval_based/pq_search.py``).
+    Memory is pinned when the model runs on CUDA, so the device copies to and from it are asynchronous."""
+
+    def __init__(self, k_data: torch.Tensor, v_data: torch.Tensor, base_pos: int, first_pos: int, end_pos: int,
+                 pin: bool):
+        """Use :meth:`copy_of` (or :meth:`OffloadStore.adopt`). ``k_data, v_data`` are contiguous host buffers."""
+        self.pin = pin
+        self.k_data, self.v_data = k_data, v_data
+        self.base_pos, self.first_pos, self.end_pos = base_pos, first_pos, end_pos
+
+    @staticmethod
+    def _host_copy(k: torch.Tensor, v: torch.Tensor, pin: bool):
+        """Host buffers of :func:`grown_capacity` rows holding ``k, v: [H, n, d]`` in their first ``n`` rows."""
+        h, n, d = k.shape
+        k_data, v_data = (host_empty((h, grown_capacity(n), d), k.dtype, pin) for _ in range(2))
+        k_data[:, :n], v_data[:, :n] = k.detach(), v.detach()
+        return k_data, v_data
+
+    @classmethod
+    def copy_of(cls, k: torch.Tensor, v: torch.Tensor, first_pos: int = 0, pin: bool | None = None) -> "HostKV":
+        """A store holding a host copy of ``k, v: [H, n, d]`` (any device) = positions ``first_pos ..``;
+        pinned when ``pin`` (default: when ``k`` is on CUDA)."""
+        pin = k.is_cuda if pin is None else pin
+        k_data, v_data = cls._host_copy(k, v, pin)
+        return cls(k_data, v_data, first_pos, first_pos, first_pos + k.shape[1], pin)
+
+    @property
+    def n(self) -> int:
+        """Stored positions."""
+        return self.end_pos - self.first_pos
+
+    def keys(self) -> torch.Tensor:
+        """``[H, n, d]`` view of the stored keys (positions ``first_pos .. end_pos - 1``)."""
+        return self.k_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
+
+    def values(self) -> torch.Tensor:
+        """``[H, n, d]`` view of the stored values."""
+        return self.v_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores ``k, v: [H, m, d]`` (host or device) at the next ``m`` positions. A device source is copied
+        asynchronously into pinned memory (ordered on the current stream: a later blocking device-to-host
+        read, such as the selection's ``.cpu()``, completes it before the host reads these rows)."""
+        m, row = k.shape[1], self.end_pos - self.base_pos
+        if row + m > self.k_data.shape[1]:
+            h, _, d = self.k_data.shape
+            grown = [host_empty((h, grown_capacity(row + m), d), self.k_data.dtype, self.pin) for _ in range(2)]
+            grown[0][:, :row], grown[1][:, :row] = self.k_data[:, :row], self.v_data[:, :row]
+            self.k_data, self.v_data = grown
+        self.k_data[:, row: row + m].copy_(k.detach(), non_blocking=self.pin)
+        self.v_data[:, row: row + m].copy_(v.detach(), non_blocking=self.pin)
+        self.end_pos += m
+
+    def _rows(self, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Row ids into the ``[H * capacity]`` flattening of the store (empty slots, -1, read row 0); index
+        arithmetic in numpy, whose per-call cost on these few hundred ids is far below torch's."""
+        used = positions[positions >= 0]
+        if used.size and (used.min() < self.first_pos or used.max() >= self.end_pos):
+            raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "
+                             f"({self.first_pos}..{self.end_pos - 1})")
+        local = np.maximum(positions - self.base_pos, 0)
+        return torch.from_numpy((heads[:, None] * self.k_data.shape[1] + local).ravel())
+
+    def gather(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host K/V ``[H, m, d]`` of the absolute ``positions [H, m]`` (one row of positions per head)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        h, d = positions.shape[0], self.k_data.shape[2]
+        rows = self._rows(np.arange(h), positions)
+        return tuple(torch.index_select(data.view(-1, d), 0, rows).view(h, -1, d)
+                     for data in (self.k_data, self.v_data))
+
+
+class OffloadStore(HostKV):
+    """IceCache's :class:`HostKV` with the page bulk loader: a host transit buffer of ``max_blocks``
+    pages and its device twin, used through their contiguous prefixes.
 
     Two ways to make one: :meth:`copy_of` copies K/V into new host memory (pinned when the model runs on
     CUDA), and :meth:`adopt` takes over a layer's prefill buffers without a copy when they already live in
@@ -45,24 +126,26 @@ class OffloadStore:
                  device: torch.device, max_blocks: int, page_size: int):
         """Use :meth:`copy_of` or :meth:`adopt`. ``k_data, v_data`` are contiguous host buffers."""
         self.device = torch.device(device)
-        self.pin = self.device.type == "cuda"
-        self.k_data, self.v_data = k_data, v_data
-        self.base_pos, self.first_pos, self.end_pos = base_pos, first_pos, end_pos
-        d = k_data.shape[2]
-        self.transit = host_empty((2, max_blocks, page_size, d), k_data.dtype, self.pin)
-        self.device_transit = torch.empty_like(self.transit, device=self.device)
+        super().__init__(k_data, v_data, base_pos, first_pos, end_pos, self.device.type == "cuda")
+        self.block = (page_size, k_data.shape[2])
+        # flat, so that the first n blocks of Ks and of Vs ([2, n, s, d]) are one contiguous prefix
+        self.transit = host_empty(2 * max_blocks * page_size * k_data.shape[2], k_data.dtype, self.pin)
+        self.device_transit = torch.empty_like(self.transit, device=self.device) if self.pin else None
         self.stream = torch.cuda.Stream(self.device) if self.pin else None
+        self.copied = None  # CUDA event: the last transit -> device copy finished reading the transit buffer
         self.bytes_moved = 0
+
+    @property
+    def max_blocks(self) -> int:
+        return self.transit.numel() // (2 * self.block[0] * self.block[1])
 
     @classmethod
     def copy_of(cls, k: torch.Tensor, v: torch.Tensor, first_pos: int, device, max_blocks: int,
                 page_size: int) -> "OffloadStore":
-        """A store holding a host copy of ``k, v: [H_kv, n, d]`` (any device) = positions ``first_pos ..``."""
-        pin = torch.device(device).type == "cuda"
-        h, n, d = k.shape
-        k_data, v_data = (host_empty((h, max(2 * n, 64), d), k.dtype, pin) for _ in range(2))
-        k_data[:, :n], v_data[:, :n] = k.detach().to("cpu"), v.detach().to("cpu")
-        return cls(k_data, v_data, first_pos, first_pos, first_pos + n, device, max_blocks, page_size)
+        """A store holding a host copy of ``k, v: [H_kv, n, d]`` (any device) = positions ``first_pos ..``,
+        sized to ``n`` (plus the growth slack), pinned when the model runs on CUDA."""
+        k_data, v_data = cls._host_copy(k, v, torch.device(device).type == "cuda")
+        return cls(k_data, v_data, first_pos, first_pos, first_pos + k.shape[1], device, max_blocks, page_size)
 
     @classmethod
     def adopt(cls, k_buf: torch.Tensor, v_buf: torch.Tensor, first_pos: int, end_pos: int, device,
@@ -76,58 +159,39 @@ class OffloadStore:
         return cls.copy_of(k_buf[:, first_pos:end_pos], v_buf[:, first_pos:end_pos], first_pos, device,
                            max_blocks, page_size)
 
-    @property
-    def n(self) -> int:
-        """Stored positions."""
-        return self.end_pos - self.first_pos
-
-    def keys(self) -> torch.Tensor:
-        """``[H_kv, n, d]`` view of the stored keys (positions ``first_pos .. end_pos - 1``)."""
-        return self.k_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores ``k, v: [H_kv, m, d]`` at the next ``m`` positions (capacity doubles when full)."""
-        m, row = k.shape[1], self.end_pos - self.base_pos
-        if row + m > self.k_data.shape[1]:
-            h, cap, d = self.k_data.shape
-            grown = [host_empty((h, max(2 * cap, row + m), d), self.k_data.dtype, self.pin) for _ in range(2)]
-            grown[0][:, :row], grown[1][:, :row] = self.k_data[:, :row], self.v_data[:, :row]
-            self.k_data, self.v_data = grown
-        self.k_data[:, row: row + m] = k.detach().to("cpu")
-        self.v_data[:, row: row + m] = v.detach().to("cpu")
-        self.end_pos += m
-
-    def _rows(self, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Row ids into the ``[H_kv * capacity]`` flattening of the store (empty slots read row 0); index
-        arithmetic in numpy, whose per-call cost on these few hundred ids is far below torch's."""
-        used = positions[positions >= 0]
-        if used.size and (used.min() < self.first_pos or used.max() >= self.end_pos):
-            raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "
-                             f"({self.first_pos}..{self.end_pos - 1})")
-        local = np.maximum(positions - self.base_pos, 0)
-        return torch.from_numpy((heads[:, None] * self.k_data.shape[1] + local).ravel())
+    def transit_prefix(self, n_blocks: int, device: bool = False) -> torch.Tensor:
+        """The contiguous first ``2 * n_blocks`` pages of the (device) transit buffer as ``[2, n, s, d]``."""
+        flat = self.device_transit if device else self.transit
+        return flat[: 2 * n_blocks * self.block[0] * self.block[1]].view(2, n_blocks, *self.block)
 
     def bulk_load(self, heads, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Packs the pages ``positions [N, s]`` (absolute ids, -1 = empty slot) of KV heads ``heads [N]``
-        (numpy arrays or CPU LongTensors) into the transit buffer, copies it to the device in one transfer
-        and returns the device views ``k, v: [N, s, d]`` (empty slots hold arbitrary values: the caller
-        masks them)."""
+        (numpy arrays or CPU LongTensors) into the contiguous prefix of the transit buffer (all Ks, then
+        all Vs: the official ``copy_to_buffer``), copies that prefix to the device in one transfer and
+        returns the device views ``k, v: [N, s, d]`` (empty slots hold arbitrary values: the caller masks
+        them). On CUDA the copy runs on a side stream that the current stream then waits for (no host
+        sync; the next load waits for this copy before it overwrites the transit buffer). On CPU the
+        "device" is host memory: the packed prefix itself is returned."""
         heads, positions = np.asarray(heads, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         n_blocks = positions.shape[0]
-        if n_blocks > self.transit.shape[1]:
-            raise ValueError(f"{n_blocks} pages requested, transit buffer holds {self.transit.shape[1]}")
+        if n_blocks > self.max_blocks:
+            raise ValueError(f"{n_blocks} pages requested, transit buffer holds {self.max_blocks}")
         d = self.k_data.shape[2]
         rows = self._rows(heads, positions)
-        used = self.transit[:, :n_blocks]
-        for kv, data in enumerate((self.k_data, self.v_data)):  # all Ks, then all Vs, into the transit buffer
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has long finished reading the transit buffer
+        used = self.transit_prefix(n_blocks)
+        for kv, data in enumerate((self.k_data, self.v_data)):
             torch.index_select(data.view(-1, d), 0, rows, out=used[kv].view(-1, d))
-        dev = self.device_transit[:, :n_blocks]
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # last step's scatter read it
-            with torch.cuda.stream(self.stream):
-                dev.copy_(used, non_blocking=True)
-            self.stream.synchronize()
-        else:
-            dev.copy_(used)
         self.bytes_moved += used.numel() * used.element_size()
+        if self.stream is None:
+            return used[0], used[1]
+        dev = self.transit_prefix(n_blocks, device=True)
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # the last step's scatter has read the device transit buffer
+        with torch.cuda.stream(self.stream):
+            dev.copy_(used, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record(self.stream)
+        current.wait_stream(self.stream)
         return dev[0], dev[1]

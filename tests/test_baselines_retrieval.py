@@ -111,7 +111,7 @@ def test_pq_window_codes_and_budget_split():
         # every token between the sinks and the window has a code; those generated got the nearest centroid
         assert st.codes.shape[1] == int(st.pos[4]) - 4 == n_past + 1 - 10 - 4
         n_prompt_coded = 96 - 4
-        late = st.store_k[:, 4 + n_prompt_coded:int(st.pos[4])]
+        late = st.store.keys()[:, 4 + n_prompt_coded:int(st.pos[4])]
         sub = pq.split_subvectors(late, 2)
         want = pq.nearest_centroid(sub.reshape(-1, *sub.shape[2:]), st.centroids.reshape(-1, *st.centroids.shape[2:]))
         assert late.shape[1] > 0

@@ -34,6 +34,36 @@ def test_isolated_cells_record_peak_rss_and_resume_skips_finished_cells(tmp_path
 
 
 def test_in_process_run_writes_every_method(tmp_path):
-    result = bench(tmp_path / "bench.json", "--methods", "full", "icecache", budget=64, length=200)
+    result = bench(tmp_path / "bench.json", "--methods", "full", "icecache", "--in-process", budget=64, length=200)
     assert {"full", "icecache", "environment"} <= set(result)
     assert "peak_rss_bytes" not in result["icecache"]["200"]
+
+
+def test_defaults_cover_every_method_in_fresh_processes():
+    args = decode.parse_args([])
+    assert set(args.methods) == set(decode.METHODS) and len(args.methods) == 11
+    assert args.isolate and not decode.parse_args(["--in-process"]).isolate
+    assert (args.growth_from, args.growth_to) == (4096, 32768)
+
+
+def _row(tpot, **phases):
+    return {"tpot_s": tpot, "tt2t_s": 1.0, "breakdown": {p: phases.get(p, 0.0) for p in decode.BREAKDOWN}}
+
+
+def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
+    results = {"full": {"2048": _row(0.010, attention=0.001), "4096": _row(0.012, attention=0.002),
+                        "32768": _row(0.040, attention=0.025, other=0.005)},
+               "icecache": {"4096": _row(0.020, select=0.005), "32768": _row(0.022, select=0.006)},
+               "pqcache": {"4096": {"error": "exit 1: boom"}},
+               "environment": {}}
+    table = decode.summary(results, 4096, 32768)
+    full = table["full"]["growth"]
+    assert (full["from"], full["to"]) == (4096, 32768)
+    assert full["growth_s"] == pytest.approx(0.028) and full["growth_x"] == pytest.approx(40 / 12)
+    assert full["phase_growth_s"]["attention"] == pytest.approx(0.023)
+    assert full["phase_growth_s"]["other"] == pytest.approx(0.005)
+    assert table["icecache"]["growth"]["phase_growth_s"]["select"] == pytest.approx(0.001)
+    assert "pqcache" not in table  # failed cells are left out of the summary
+    decode.print_summary(results, 4096, 32768)
+    printed = capsys.readouterr().out
+    assert "+28.00  3.33x" in printed and "growth from 4096 to 32768" in printed

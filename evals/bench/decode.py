@@ -1,16 +1,26 @@
-"""Decode benchmark: methods x context lengths on the same prompt text, one process, printed as ratios
-to the full cache. ``python -m evals.bench.decode [--methods ...] [--lengths ...]``.
+"""Decode benchmark: every method x context lengths on the same prompt text, printed as TPOT side by
+side, its growth with the context, and ratios to the full cache. ``python -m evals.bench.decode
+[--methods ...] [--lengths ...]`` (defaults: all registered methods, 2k..32k tokens, budget 256).
 
 For each (method, length): TT2T, TTFT, TPOT (median over tokens 3..N, and mean) and the TPOT breakdown
 (select / transfer / attention / update / other, seconds per output token), with EOS ignored so every
-method decodes the same number of tokens. Writes ``bench_decode.json`` as
-``{method: {length: {"tt2t_s", "tpot_s", "breakdown": {...}}}, "environment": {...}}``.
+method decodes the same number of tokens. The summary gives, per method, TPOT at every length and its
+growth from ``--growth-from`` to ``--growth-to`` (4k -> 32k): the context-growing part of TPOT in
+milliseconds and as a ratio (on the median TPOT), split by phase (per-token means: which phase grows
+with the context; ``other`` = step time outside the cache's phases: MLPs, projections, LM head). Writes
+``bench_decode.json`` as ``{method: {length: {"tt2t_s", "tpot_s", "breakdown": {...}}}, "summary": {...},
+"environment": {...}}``.
 
-``--isolate`` runs every (method, length) cell in a fresh process and adds its peak resident memory
-(``peak_rss_bytes``, the process's ``ru_maxrss``: model + prefill + decode), which is how the prefill
-memory bound of a method is measured (``--methods full icecache --lengths 8192 16384 32768``).
-The file is rewritten after every cell; ``--resume`` keeps the cells already in ``--out`` (same model,
-budget and number of new tokens) and measures only the missing ones, so a long run can be extended.
+Every (method, length) cell runs in a fresh process by default (``--in-process`` to share one), so no
+cell inherits another's allocator state, threads or caches, and each records its peak memory
+(``peak_rss_bytes``, the process's ``ru_maxrss``: model + prefill + decode; on CUDA also
+``peak_memory_bytes``, max allocated), which is how the prefill memory bound of a method is measured.
+A cell that fails is recorded with its error and the run goes on. The file is rewritten after every
+cell; ``--resume`` keeps the finished cells of ``--out`` (same model, budget and number of new tokens)
+and measures the missing or failed ones, so a long run can be extended.
+
+On CUDA the breakdown comes from CUDA events (no added syncs); ``--profile`` synchronises around every
+phase instead, for exact host-side attribution.
 
 ``--model llama-8b-random`` builds a Llama-3.1-8B-shaped model with random weights (latency needs no
 trained weights) for GPU machines: see ``scripts/gpu_bench.sh``.
@@ -34,10 +44,14 @@ import torch
 from evals.harness import REPO_ROOT, environment
 from evals.latency import Latency
 from evals.runner import generate
+from icecache.hardware import cpu_info
 from icecache.kv import make_method
+from icecache.kv.registry import METHODS
+from icecache.kv.timing import PHASES
 from icecache.models import load_model, load_tokenizer
 
-DEFAULT_METHODS = ("full", "streaming_llm", "icecache", "icecache_reuse", "pqcache", "quest")
+DEFAULT_METHODS = tuple(METHODS)  # full, streaming_llm, h2o, snapkv, quest, topk, pqcache, omnikv, magicpig, ...
+BREAKDOWN = (*PHASES, "other")
 
 
 def llama_8b_random(device: str):
@@ -50,14 +64,16 @@ def llama_8b_random(device: str):
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
-def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int) -> dict:
+def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
+            profile: bool = False) -> dict:
     gen = generate(model, tokenizer, make_method(method, budget=None if method == "full" else budget),
-                   prompt_ids, new_tokens, ignore_eos=True)
+                   prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
     return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, "tpot_s": statistics.median(gen.intervals_s),
             "tpot_mean_s": statistics.fmean(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
-            "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s)}
+            "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
+            "peak_memory_bytes": gen.peak_memory_bytes}
 
 
 def parse_args(argv):
@@ -68,10 +84,16 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default="smollm2-135m", help="a model name, or llama-8b-random")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16")
+    parser.add_argument("--profile", action="store_true", help="CUDA: synchronise around every phase")
+    parser.add_argument("--growth-from", type=int, default=4096)
+    parser.add_argument("--growth-to", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "data"))
     parser.add_argument("--out", default="bench_decode.json")
-    parser.add_argument("--isolate", action="store_true", help="one fresh process per cell, with its peak RSS")
+    parser.add_argument("--in-process", dest="isolate", action="store_false",
+                        help="measure every cell in this process (default: one fresh process per cell)")
+    parser.add_argument("--isolate", dest="isolate", action="store_true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out")
     parser.add_argument("--cell", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -82,7 +104,7 @@ def load(args):
         torch.set_num_threads(args.threads)
     if args.model == "llama-8b-random":
         return llama_8b_random(args.device), load_tokenizer("smollm2-135m")
-    return load_model(args.model, device=args.device), load_tokenizer(args.model)
+    return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
 
 
 def prompts(tokenizer, args, lengths) -> dict[int, list[int]]:
@@ -96,7 +118,8 @@ def run_cell(args) -> None:
     """Child of ``--isolate``: one (method, length) in this fresh process; prints its row as JSON."""
     method, length = args.cell[0], int(args.cell[1])
     model, tokenizer = load(args)
-    row = measure(model, tokenizer, method, args.budget, prompts(tokenizer, args, [length])[length], args.new_tokens)
+    row = measure(model, tokenizer, method, args.budget, prompts(tokenizer, args, [length])[length], args.new_tokens,
+                  args.profile)
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row["environment"] = {**environment(model), "model": args.model}
     print(json.dumps(row))
@@ -105,10 +128,11 @@ def run_cell(args) -> None:
 def isolated_cell(args, method: str, length: int) -> dict:
     cmd = [sys.executable, "-m", "evals.bench.decode", "--cell", method, str(length), "--budget", str(args.budget),
            "--new-tokens", str(args.new_tokens), "--model", args.model, "--device", args.device,
-           "--data-dir", args.data_dir] + (["--threads", str(args.threads)] if args.threads else [])
+           "--data-dir", args.data_dir, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads
+                                                                  else []) + (["--profile"] if args.profile else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"{method} at {length} tokens failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -118,6 +142,9 @@ def previous_results(args) -> dict:
     if not (args.resume and path.exists()):
         return {}
     old = json.loads(path.read_text())
+    old.pop("summary", None)
+    old = {m: {L: r for L, r in rows.items() if "error" not in r} if m != "environment" else rows
+           for m, rows in old.items()}  # failed cells are measured again
     env = old.get("environment", {})
     if (env.get("model"), env.get("budget"), env.get("new_tokens")) != (args.model, args.budget, args.new_tokens):
         raise SystemExit(f"--resume: {path} holds model={env.get('model')} budget={env.get('budget')} "
@@ -142,32 +169,90 @@ def main(argv=None) -> None:
                 continue
             if args.isolate:
                 row = isolated_cell(args, method, length)
-                environment_row = row.pop("environment")
+                environment_row = row.pop("environment", environment_row)
             else:
-                row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens)
+                row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
+                              args.profile)
             results.setdefault(method, {})[str(length)] = row
-            rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
-            print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row['tpot_s']:.2f} ms  " +
-                  " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss, flush=True)
+            print_cell(method, length, row)
             write(args, results, environment_row)
+    print_summary(results, args.growth_from, args.growth_to)
     print_ratios(results)
     print(f"wrote {args.out}")
 
 
+def print_cell(method: str, length: int, row: dict) -> None:
+    if "error" in row:
+        print(f"{method:>15} {length:>6}: FAILED {row['error'].strip().splitlines()[-1]}", flush=True)
+        return
+    rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
+    print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row['tpot_s']:.2f} ms  " +
+          " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss, flush=True)
+
+
+def method_rows(results: dict) -> dict:
+    """``{method: {length: row}}`` of the measured cells (no summary, environment or failed cells)."""
+    return {m: {L: r for L, r in rows.items() if "error" not in r} for m, rows in results.items()
+            if m not in ("environment", "summary")}
+
+
+def growth(rows: dict, lo: int, hi: int) -> dict | None:
+    """TPOT growth of one method from ``lo`` to ``hi`` tokens (the nearest measured lengths inside the
+    range when those are missing): total and per phase, in seconds, and the TPOT ratio."""
+    lengths = sorted(int(L) for L in rows)
+    inside = [L for L in lengths if lo <= L <= hi] or lengths
+    if len(inside) < 2:
+        return None
+    a, b = rows[str(inside[0])], rows[str(inside[-1])]
+    return {"from": inside[0], "to": inside[-1], "growth_s": b["tpot_s"] - a["tpot_s"],
+            "growth_x": b["tpot_s"] / a["tpot_s"],
+            "phase_growth_s": {p: b["breakdown"].get(p, 0.0) - a["breakdown"].get(p, 0.0) for p in BREAKDOWN}}
+
+
+def summary(results: dict, lo: int, hi: int) -> dict:
+    """Per method: TPOT by length and its growth from ``lo`` to ``hi`` (see :func:`growth`)."""
+    return {m: {"tpot_s": {L: r["tpot_s"] for L, r in rows.items()}, "growth": growth(rows, lo, hi)}
+            for m, rows in method_rows(results).items() if rows}
+
+
+def print_summary(results: dict, lo: int, hi: int) -> None:
+    table = summary(results, lo, hi)
+    lengths = sorted({int(L) for t in table.values() for L in t["tpot_s"]})
+    if not lengths:
+        return
+    print(f"\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
+    print(f"{'method':>15} " + " ".join(f"{L:>8}" for L in lengths) + f" {'growth':>16}  " +
+          " ".join(f"{p:>9}" for p in BREAKDOWN))
+    for method, t in table.items():
+        cells = " ".join(f"{1000 * t['tpot_s'][str(L)]:8.2f}" if str(L) in t["tpot_s"] else f"{'-':>8}"
+                         for L in lengths)
+        g = t["growth"]
+        grown = (f"{1000 * g['growth_s']:+8.2f} {g['growth_x']:5.2f}x  " +
+                 " ".join(f"{1000 * g['phase_growth_s'][p]:+9.2f}" for p in BREAKDOWN)) if g else f"{'-':>16}"
+        print(f"{method:>15} {cells} {grown}")
+    if table and any(t["growth"] for t in table.values()):
+        g = next(t["growth"] for t in table.values() if t["growth"])
+        print(f"(growth from {g['from']} to {g['to']} tokens)")
+
+
 def write(args, results: dict, environment_row: dict) -> None:
     env = {**environment_row, "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
-           "isolate": args.isolate}
+           "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
+           "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps({**results, "environment": env}, indent=2) + "\n")
+    body = {m: rows for m, rows in results.items() if m not in ("environment", "summary")}  # failed cells too
+    body["summary"] = summary(results, args.growth_from, args.growth_to)
+    tmp.write_text(json.dumps({**body, "environment": env}, indent=2) + "\n")
     tmp.replace(args.out)
 
 
 def print_ratios(results: dict) -> None:
+    results = method_rows(results)
     if "full" not in results:
         return
     print("\nratio to full (TT2T / TPOT):")
     for method, rows in results.items():
-        if method in ("full", "environment"):
+        if method == "full":
             continue
         full = results["full"]
         cells = [f"{L}: {r['tt2t_s'] / full[L]['tt2t_s']:.2f} / {r['tpot_s'] / full[L]['tpot_s']:.2f}"

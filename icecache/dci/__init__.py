@@ -51,8 +51,10 @@ recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md.
 
 Threads: ``search`` runs in parallel over query heads (numba ``prange``; ``numba.set_num_threads``),
 ``bulk_load`` over KV heads, the dense parent searches in torch (``torch.set_num_threads``). Both use
-OpenMP; on a machine shared with other processes set ``OMP_WAIT_POLICY=PASSIVE`` before torch is
-imported, or the spinning idle threads of the two pools starve each other (x10 and more).
+OpenMP; the numba threading layer is pinned to a thread-safe one (``threads.py``: the search and
+the background build run parallel regions concurrently). On a machine shared with other processes
+set ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported, or the spinning idle threads of the two
+pools starve each other (x10 and more).
 
 Differences from the C code, and why:
 
@@ -83,8 +85,11 @@ Differences from the C code, and why:
   ``cfg.seed`` (the C code draws one per prefill, shared by all layers; pass the same seed to share).
 """
 
+from . import _kernels, threads
 from .config import DCIConfig
 from .gqa import merge_gqa
 from .index import MDCIIndex
+
+THREADING_LAYER = threads.install(_kernels)  # before any parallel kernel runs: see threads.py
 
 __all__ = ["DCIConfig", "MDCIIndex", "merge_gqa"]

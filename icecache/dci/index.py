@@ -15,6 +15,7 @@ import torch
 from . import _kernels
 from .config import DCIConfig
 from .levels import assign_levels, level_sizes
+from .threads import one_blas_thread
 from .parents import assign_parents
 from .transform import random_direction
 
@@ -196,7 +197,8 @@ class MDCIIndex:
         """
         heads, m, _ = keys.shape
         k_np = _as_f32(keys)
-        sim = np.matmul(k_np, self._l1_keys_t)  # [H, m, n1] inner products with level 1
+        with one_blas_thread():  # tiny matmul: BLAS threads only contend (threads.py)
+            sim = np.matmul(k_np, self._l1_keys_t)  # [H, m, n1] inner products with level 1
         sq, uk, parent = _kernels.insert_parents(k_np, self.u, self.m2, sim, self._l1_sq,
                                                  self._l1_loc)
         self._ensure_tokens(self.n + m)

@@ -64,7 +64,7 @@ class KVCache(compat.Cache):
 
     def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False):
         self.method, self.spec = method, spec
-        self.timer = PhaseTimer(sync=profile)
+        self.timer = PhaseTimer(sync=profile, device=spec.device)
         self._bind_fresh()
         super().__init__(layers=self.layers)
 
@@ -138,8 +138,9 @@ class KVCache(compat.Cache):
 
     # ------------------------------------------------------------------ reporting
     def effective_tokens(self) -> list[float | None]:
-        """Mean past tokens attended per head at a decode step, per layer (None before decoding)."""
-        return [s.attended_sum / s.attended_steps if s.attended_steps else None for s in self.states]
+        """Mean past tokens attended per head at a decode step, per layer (None before decoding); reads
+        the device-side sums once (the only host sync of the accounting)."""
+        return [float(s.attended_sum) / s.attended_steps if s.attended_steps else None for s in self.states]
 
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]

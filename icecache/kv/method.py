@@ -71,34 +71,51 @@ class ModelSpec:
 @dataclass
 class Fetched:
     """The K/V a head attends to at one step (current token included): ``[H, m, d]`` with ``H`` in
-    {1, H_kv, H_q}, and an optional ``[H, m]`` validity mask."""
+    {1, H_kv, H_q}, an optional ``[H, m]`` validity mask and, when the method knows it on the host
+    without reading the mask (e.g. from its page table), ``n_past``: the mean past tokens per head."""
 
     k: torch.Tensor
     v: torch.Tensor
     valid: torch.Tensor | None = None
+    n_past: float | None = None
 
-    def past_tokens_per_head(self) -> float:
-        """Mean number of past tokens attended per head (the current token excluded)."""
+    def past_tokens_per_head(self) -> float | torch.Tensor:
+        """Mean number of past tokens attended per head (the current token excluded), without a host
+        sync: from the shapes, from ``n_past``, or else as a 0-d tensor on the mask's device, which the
+        caller accumulates there and reads once per run (:meth:`KVCache.effective_tokens`)."""
         if self.valid is None:
             return float(self.k.shape[1] - 1)
-        return float(self.valid.sum(-1).float().mean()) - 1.0
+        if self.n_past is not None:
+            return self.n_past
+        return self.valid.sum(-1, dtype=torch.float32).mean() - 1.0
+
+
+def grown_capacity(needed: int, minimum: int = 64) -> int:
+    """Capacity for a growable buffer that must hold ``needed`` entries: ``needed`` plus 1/8 slack.
+    Prefill buffers are thus sized to the prompt (not twice it), and since every growth multiplies the
+    capacity by at least 9/8, appending ``n`` entries one at a time allocates O(log n) times (amortised
+    O(1) per entry, as transformers' and vLLM's preallocated caches)."""
+    return max(minimum, needed + needed // 8)
 
 
 def append_to_buffer(buffer: torch.Tensor | None, view: torch.Tensor | None,
-                     new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Appends ``new: [H, m, d]`` after ``view`` along dim 1. ``view`` is kept in place when it is the
-    prefix of ``buffer`` with room left; otherwise (first call, full buffer, or a method replaced the view
-    by another tensor, e.g. after an eviction) a buffer of twice the needed length is allocated."""
-    n, m = (0 if view is None else view.shape[1]), new.shape[1]
+                     new: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Appends ``new`` after ``view`` along ``dim`` (1 for ``[H, n, d]`` K/V, 0 for ``[n]`` positions).
+    ``view`` is kept in place when it is the prefix of ``buffer`` with room left; otherwise (first call,
+    full buffer, or a method replaced the view by another tensor, e.g. after an eviction) a buffer of
+    :func:`grown_capacity` entries is allocated. Returns ``(buffer, view of the filled prefix)``."""
+    n, m = (0 if view is None else view.shape[dim]), new.shape[dim]
     in_place = (buffer is not None and view is not None and view.data_ptr() == buffer.data_ptr()
-                and view.stride() == buffer.stride() and n + m <= buffer.shape[1])
+                and view.stride() == buffer.stride() and n + m <= buffer.shape[dim])
     if not in_place:
-        grown = new.new_empty((new.shape[0], max(2 * (n + m), 64), *new.shape[2:]))
+        shape = list(new.shape)
+        shape[dim] = grown_capacity(n + m)
+        grown = new.new_empty(shape)
         if n:
-            grown[:, :n] = view
+            grown.narrow(dim, 0, n).copy_(view)
         buffer = grown
-    buffer[:, n:n + m] = new
-    return buffer, buffer[:, :n + m]
+    buffer.narrow(dim, n, m).copy_(new)
+    return buffer, buffer.narrow(dim, 0, n + m)
 
 
 class LayerState:
@@ -114,7 +131,8 @@ class LayerState:
         self.n_seen = 0  # logical length: tokens ever appended to this layer
         self.pending: concurrent.futures.Future | None = None
         self.bytes_moved = 0  # bytes copied from an offload store into fast memory (methods count them)
-        self.attended_sum = 0.0  # sum over decode steps of past tokens attended per head
+        self.attended_sum: float | torch.Tensor = 0.0  # sum over decode steps of past tokens attended per
+        # head; a device tensor when a step only knew it there (read once, by KVCache.effective_tokens)
         self.attended_steps = 0
 
     def resident_tokens(self) -> int:
@@ -170,11 +188,11 @@ class KVMethod:
 
     def store(self, st: LayerState, k: torch.Tensor, v: torch.Tensor) -> None:
         """Appends K/V with their original positions to the resident store (amortised O(1) per token:
-        ``st.k``/``st.v`` are prefix views of buffers that double when full)."""
+        ``st.k``/``st.v``/``st.pos`` are prefix views of buffers that grow geometrically when full)."""
         pos = torch.arange(st.n_seen - k.shape[1], st.n_seen, device=k.device)
         st.buffers["k"], st.k = append_to_buffer(st.buffers.get("k"), st.k, k)
         st.buffers["v"], st.v = append_to_buffer(st.buffers.get("v"), st.v, v)
-        st.pos = pos if st.pos is None else torch.cat([st.pos, pos])
+        st.buffers["pos"], st.pos = append_to_buffer(st.buffers.get("pos"), st.pos, pos, dim=0)
 
     # ------------------------------------------------------------------ background work
     def submit_background(self, st: LayerState, fn, *args) -> None:
@@ -208,7 +226,7 @@ class KVMethod:
             out = self.attend(st, q, fetched)
         with timer.span("update"):
             self.observe(st, q, fetched, selection)
-        st.attended_sum += fetched.past_tokens_per_head()
+        st.attended_sum = st.attended_sum + fetched.past_tokens_per_head()  # no host sync
         st.attended_steps += 1
         if self.debug:
             self.check_resident(st)
