@@ -55,13 +55,13 @@ def test_layouts():
 
 
 def test_presets_resolve_per_budget_and_explicit_values_win():
-    """preset=budget: pages of budget/16 tokens rounded down to a power of two within [4, 16] (2 + 12 + 2
-    pages); official: 16 everywhere; an explicit page_size or gqa_merge overrides either preset."""
-    for budget, page in [(16, 4), (64, 4), (80, 4), (120, 4), (128, 8), (248, 8), (256, 16), (512, 16)]:
+    """preset=budget: 8-token pages below 256 tokens, the official 16 from 256; official: 16 everywhere;
+    an explicit page_size or gqa_merge overrides either preset."""
+    for budget, page in [(32, 8), (64, 8), (120, 8), (128, 8), (248, 8), (256, 16), (512, 16)]:
         m = make_method("icecache", budget=budget)
         assert (m.page_size, m.gqa_merge) == (page, "interleaved")
         assert make_method("icecache", budget=max(64, budget - budget % 16), preset="official").page_size == 16
-    assert make_method("icecache", budget=64).layout() == (2, 2, 12)
+    assert make_method("icecache", budget=64).layout() == (2, 2, 4)
     assert make_method("icecache", budget=128).layout() == (2, 2, 12)
     assert make_method("icecache", budget=256).layout() == (2, 2, 12)
     m = make_method("icecache_reuse", budget=64, page_size=16, gqa_merge="max")
@@ -73,9 +73,9 @@ def test_presets_resolve_per_budget_and_explicit_values_win():
 @pytest.mark.parametrize("budget,hp,nearest", [
     (None, {}, "budget=128"),
     (100, dict(preset="official"), "96 or 112"),
-    (130, {}, "128 or 136"),  # preset budget: 8-token pages from 128 to 255 tokens
+    (100, {}, "96 or 104"),  # preset budget: 8-token pages below 256
     (48, dict(preset="official"), "64"),
-    (8, {}, "16"),
+    (8, {}, "32"),
     (64, dict(budget_layout="fixed", preset="official"), "80"),
     (36, dict(page_size=8), "32 or 40"),
 ])
@@ -477,7 +477,7 @@ def test_default_configuration_keeps_every_head_within_every_budget(method):
         except BudgetError:
             continue
         budgets.append(budget)
-    assert budgets[0] == 16 and budgets[-1] == 512 and 264 not in budgets  # 4/8-token pages below 256, then 16
+    assert budgets[0] == 32 and budgets[-1] == 512 and 264 not in budgets  # 8-token pages below 256, then 16
     for budget in budgets:
         m = make_method(method, budget=budget, debug=True)
         most, attend = {}, m.attend
