@@ -149,16 +149,31 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
     """Generates the samples not yet in ``run``, then (re)computes metrics and timing from all its rows."""
     cfg = p.cfg
     todo = [s for s in samples if s.id not in run.done_ids()]
-    if todo or not _up_to_date(p.run_dir, run.rows):
-        _generate_rows(p, suite, todo, run, on_row)
-        results.write_json(p.run_dir / "metrics.json", suite.aggregate(run.rows))
-        results.write_json(p.run_dir / "timing.json", summarize_timing(run.rows, cfg))
-    if len(run.rows) > len(samples):
-        print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
-              f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
-    # Optional W&B logging of the run directory (a no-op unless wandb.enabled=true); a rerun of a
-    # finished directory logs its existing results.
-    wandb_log.log_run(cfg, p.run_dir)
+    # Optional W&B logging (a no-op unless wandb.enabled=true): samples log as they finish, then the run's
+    # summary and tables; a rerun of a finished directory logs its existing results.
+    with wandb_log.session(cfg, p.run_dir) as wb:
+        if todo or not _up_to_date(p.run_dir, run.rows):
+            _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
+            results.write_json(p.run_dir / "metrics.json", suite.aggregate(run.rows))
+            results.write_json(p.run_dir / "timing.json", summarize_timing(run.rows, cfg))
+        if len(run.rows) > len(samples):
+            print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
+                  f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
+        wandb_log.log_run(cfg, p.run_dir, wb)
+
+
+def _with_live_log(on_row, wb, done: int):
+    """``on_row`` plus, when a W&B run is open, one W&B step per finished sample."""
+    if wb is None:
+        return on_row
+    count = [done]
+
+    def both(row: dict) -> None:
+        count[0] += 1
+        wb.log(wandb_log.sample_scalars(row, count[0]))
+        if on_row is not None:
+            on_row(row)
+    return both
 
 
 def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> None:

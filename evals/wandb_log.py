@@ -16,6 +16,7 @@ same directory again (a resumed sweep) updates that W&B run instead of creating 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -80,32 +81,58 @@ def prediction_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     return columns, data
 
 
-def log_run(cfg: dict, run_dir: Path) -> str | None:
-    """Logs one finished run directory to W&B when ``cfg["wandb"]["enabled"]``; returns the W&B run id."""
+def sample_scalars(row: dict, done: int) -> dict:
+    """What one finished sample logs while a run is going: its scores, TT2T/TPOT and the samples done."""
+    timing = row.get("timing") or {}
+    out = {f"sample/{k}": v for k, v in row["scores"].items() if isinstance(v, (int, float))}
+    intervals = timing.get("intervals_s") or []
+    out.update({"sample/tt2t_s": timing.get("tt2t_s"), "samples_done": done,
+                "sample/tpot_s": sum(intervals) / len(intervals) if intervals else None})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@contextlib.contextmanager
+def session(cfg: dict, run_dir: Path):
+    """The W&B run of a run directory, open for the whole evaluation (``None`` when W&B is disabled): samples
+    log as they finish (:func:`sample_scalars`), then :func:`log_run` adds the summary and tables to it."""
+    if not enabled(cfg):
+        yield None
+        return
+    import wandb
+
+    run_dir = Path(run_dir)
+    config = {k: v for k, v in cfg.items() if k not in NOT_LOGGED}
+    wb = cfg.get("wandb") or {}
+    with wandb.init(**run_names(cfg), id=run_id(run_dir), resume="allow", mode=wb.get("mode"), job_type="eval",
+                    config={**config, "run_dir": str(run_dir)}, settings=wandb.Settings(console="off")) as run:
+        yield run
+
+
+def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
+    """Logs one finished run directory to W&B when ``cfg["wandb"]["enabled"]`` -- into ``run`` (an open
+    :func:`session`) or a session of its own; returns the W&B run id."""
     if not enabled(cfg):
         return None
+    if run is None:
+        with session(cfg, run_dir) as own:
+            return log_run(cfg, run_dir, own)
     import wandb
 
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     timing = json.loads((run_dir / "timing.json").read_text())
-    config = {k: v for k, v in cfg.items() if k not in NOT_LOGGED}
-    wb = cfg.get("wandb") or {}
-    rid = run_id(run_dir)
-    with wandb.init(**run_names(cfg), id=rid, resume="allow", mode=wb.get("mode"), job_type="eval",
-                    config={**config, "run_dir": str(run_dir)}, settings=wandb.Settings(console="off")) as run:
-        layers = wandb.Table(columns=["layer", "effective_tokens"],
-                             data=[[i, v] for i, v in enumerate(timing.get("effective_tokens_per_layer", []))])
-        phases = wandb.Table(columns=["phase", "seconds_per_token"],
-                             data=[[p, v] for p, v in timing.get("breakdown", {}).items()])
-        columns, data = prediction_rows(load_predictions(run_dir / "predictions.jsonl"))
-        run.log({**scalars(metrics, timing),
-                 "effective_tokens_per_layer": wandb.plot.line(layers, "layer", "effective_tokens",
-                                                               title="Effective tokens attended per layer"),
-                 "tpot_breakdown": wandb.plot.bar(phases, "phase", "seconds_per_token",
-                                                  title="TPOT breakdown (s per output token)"),
-                 "predictions": wandb.Table(columns=columns, data=data)})
-    return rid
+    layers = wandb.Table(columns=["layer", "effective_tokens"],
+                         data=[[i, v] for i, v in enumerate(timing.get("effective_tokens_per_layer", []))])
+    phases = wandb.Table(columns=["phase", "seconds_per_token"],
+                         data=[[p, v] for p, v in timing.get("breakdown", {}).items()])
+    columns, data = prediction_rows(load_predictions(run_dir / "predictions.jsonl"))
+    run.log({**scalars(metrics, timing),
+             "effective_tokens_per_layer": wandb.plot.line(layers, "layer", "effective_tokens",
+                                                           title="Effective tokens attended per layer"),
+             "tpot_breakdown": wandb.plot.bar(phases, "phase", "seconds_per_token",
+                                              title="TPOT breakdown (s per output token)"),
+             "predictions": wandb.Table(columns=columns, data=data)})
+    return run_id(run_dir)
 
 
 def main(argv=None) -> None:

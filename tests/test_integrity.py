@@ -351,7 +351,7 @@ def test_result_files_follow_the_umask(tmp_path):
 
 def test_wandb_logs_a_rerun_of_a_finished_directory(tmp_path, monkeypatch):
     logged = []
-    monkeypatch.setattr(harness.wandb_log, "log_run", lambda cfg, run_dir: logged.append(run_dir))
+    monkeypatch.setattr(harness.wandb_log, "log_run", lambda cfg, run_dir, run=None: logged.append(run_dir))
     first = run_eval(tiny_cfg(tmp_path))
     assert run_eval(tiny_cfg(tmp_path), on_row=never) == first and logged == [first, first]
 

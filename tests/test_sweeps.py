@@ -167,6 +167,12 @@ def test_wandb_offline_run_has_names_summary_and_predictions(tmp_path, monkeypat
     predictions = json.loads(table.read_text())
     assert predictions["columns"][:5] == ["id", "task", "reference", "prediction", "score"]
     assert [row[0] for row in predictions["data"]] == ["passkey-128-0.000", "passkey-128-0.500"]
+    # each sample logged a step while the run was going, before the summary
+    steps = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+             for r in records if r.WhichOneof("record_type") == "history"]
+    live = [step for step in steps if "samples_done" in step]
+    assert [step["samples_done"] for step in live] == [1, 2]
+    assert all({"sample/score", "sample/tt2t_s"} <= set(step) for step in live)
 
 
 def test_wandb_is_not_imported_when_disabled():
