@@ -92,20 +92,25 @@ class IceState(LayerState):
 
 
 def official_preset(budget: int) -> dict:
-    """The official scripts' settings (``run_longbench.sh``, ``passkey_pred.py``): 16-token pages and the
-    rank-interleaved ``first_k_unique`` GQA merge at every budget. At 64 tokens, where the official code
-    asserts, ``budget_layout="auto"`` gives 1 sink + 1 retrieved + 2 window pages."""
-    return {"page_size": 16, "gqa_merge": "interleaved"}
+    """The official scripts' settings (``run_longbench.sh``, ``passkey_pred.py``): 16-token pages, the
+    rank-interleaved ``first_k_unique`` GQA merge and ``q_prop_to_retrieve = 0.8`` at every budget. At 64
+    tokens, where the official code asserts, ``budget_layout="auto"`` gives 1 sink + 1 retrieved + 2 window
+    pages."""
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8}
 
 
 def budget_preset(budget: int) -> dict:
     """This project's defaults, chosen from the ablation in docs/benchmarks.md ("IceCache at small budgets"):
-    below 256 tokens 8-token pages (64 tokens = 2 sink + 4 retrieved + 2 window pages of 8; 128 = 2 + 12 + 2),
-    from 256 on the official 16-token pages; the official merge throughout. With the official 16-token pages,
-    64 tokens leave 1 sink + 1 retrieved + 2 window pages: a needle written one token per digit straddles
-    pages, and the rank-interleaved merge then serves only the group's first query head. 4-token pages had
-    a higher attention recall still, but a window of 5-8 tokens and missed a pass key that full found."""
-    return {"page_size": 8 if budget < 256 else 16, "gqa_merge": "interleaved"}
+    below 256 tokens 8-token pages (64 tokens = 2 sink + 4 retrieved + 2 window pages of 8; 128 = 2 + 12 + 2)
+    and every child of an expanded node scored (``prop_to_retrieve = 1``), from 256 on the official values;
+    the official merge throughout. With the official 16-token pages, 64 tokens leave 1 sink + 1 retrieved + 2
+    window pages: a needle written one token per digit straddles pages, and the rank-interleaved merge then
+    serves only the group's first query head. With few pages per head, the official partial scoring of large
+    nodes (80%) missed the needle's page on pass keys that full found. 4-token pages had a higher attention
+    recall still, but a window of 5-8 tokens and missed a pass key that full found."""
+    if budget < 256:
+        return {"page_size": 8, "gqa_merge": "interleaved", "prop_to_retrieve": 1.0}
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8}
 
 
 PRESETS = {"budget": budget_preset, "official": official_preset}
@@ -134,7 +139,8 @@ class IceCache(KVMethod):
         gqa_candidates: pages each query head reports to the ``mass``/``max`` merges (0: ``group * K``).
         always_index: also index prompts of at most ``budget`` tokens (official: only longer ones); with a
             budget that covers the context, every page is then retrieved through the index.
-        ratio_1, ratio_2, search_ratio, min_fov, prop_to_retrieve, seed: M-DCI parameters
+        prop_to_retrieve: share of an expanded node's children scored (official 0.8; ``None``: preset).
+        ratio_1, ratio_2, search_ratio, min_fov, seed: M-DCI parameters
             (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts). Every
             layer uses the same ``seed``, hence one projection direction shared by all layers and heads,
             as the official code draws one per prefill.
@@ -153,7 +159,7 @@ class IceCache(KVMethod):
     ratio_2: float = 0.2
     search_ratio: float = 1.5e-3
     min_fov: int = 30
-    prop_to_retrieve: float = 0.8
+    prop_to_retrieve: float | None = None
     seed: int = 0
     name: ClassVar[str] = "icecache"
     example_budget: ClassVar[int] = 128

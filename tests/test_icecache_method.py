@@ -60,7 +60,10 @@ def test_presets_resolve_per_budget_and_explicit_values_win():
     for budget, page in [(32, 8), (64, 8), (120, 8), (128, 8), (248, 8), (256, 16), (512, 16)]:
         m = make_method("icecache", budget=budget)
         assert (m.page_size, m.gqa_merge) == (page, "interleaved")
-        assert make_method("icecache", budget=max(64, budget - budget % 16), preset="official").page_size == 16
+        assert m.prop_to_retrieve == (1.0 if budget < 256 else 0.8) == m.dci_config().prop_to_retrieve
+        assert make_method("icecache", budget=budget, prop_to_retrieve=0.5).dci_config().prop_to_retrieve == 0.5
+        official = make_method("icecache", budget=max(64, budget - budget % 16), preset="official")
+        assert (official.page_size, official.gqa_merge, official.prop_to_retrieve) == (16, "interleaved", 0.8)
     assert make_method("icecache", budget=64).layout() == (2, 2, 4)
     assert make_method("icecache", budget=128).layout() == (2, 2, 12)
     assert make_method("icecache", budget=256).layout() == (2, 2, 12)

@@ -97,11 +97,13 @@ class Config:
 def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, method: str = "icecache",
                     **extra) -> Config | None:
     """An IceCache cell with ``sink_tokens`` of sink (a multiple of the page size) and the official 2-page
-    window; None when the combination leaves no retrieved page or is not page-aligned."""
+    window; None when the combination leaves no retrieved page or is not page-aligned. Every value a preset
+    would choose is pinned (``prop_to_retrieve`` at the official 0.8 unless ``extra`` names it, and then in
+    the label), so a label means the same configuration whatever the presets are."""
     if sink_tokens % page_size or budget % page_size:
         return None
-    options = dict(gqa_merge=merge, page_size=page_size, n_sink_pages=sink_tokens // page_size,
-                   budget_layout="fixed", **extra)
+    options = {"gqa_merge": merge, "page_size": page_size, "n_sink_pages": sink_tokens // page_size,
+               "budget_layout": "fixed", "prop_to_retrieve": 0.8, **extra}
     try:
         make_method(method, budget=budget, **options)
     except ValueError:
