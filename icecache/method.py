@@ -123,7 +123,7 @@ class IceCache(KVMethod):
     Args:
         budget: past tokens per head per step in a budgeted layer, a multiple of ``page_size`` (sink and
             window included; 256 = 2 sink + 12 retrieved + 2 window pages).
-        preset: where ``page_size`` and ``gqa_merge`` come from when they are not given (``None``):
+        preset: where ``page_size``, ``gqa_merge`` and ``prop_to_retrieve`` come from when not given (``None``):
             ``"budget"`` (default, :func:`budget_preset`: chosen per budget from this project's ablation) or
             ``"official"`` (:func:`official_preset`: the official scripts' values at every budget).
         page_size: tokens per page = M-DCI leaf capacity (16 in every official script; ``None``: preset).
@@ -343,8 +343,7 @@ class IceCache(KVMethod):
             pages, scores = st.index.search_scored(queries, k, n_cand, n_seq=st.n_seen)
             st.candidates = merge_gqa(pages, self.spec.group, width, self.gqa_merge, scores, self.spec.scaling)
         else:
-            pages = st.index.search_scored(queries, k, width, n_seq=st.n_seen)[0] if width > k else \
-                st.index.search(queries, k, n_seq=st.n_seen)
+            pages = st.index.search_scored(queries, k, width, n_seq=st.n_seen)[0]  # = search() when width == K
             st.candidates = merge_gqa(pages, self.spec.group, width, mode=self.gqa_merge)
         # both merges are prefix-stable: the first K of a list capped at ``width`` are the list capped at K
         st.selection = st.candidates if self.gqa_merge == "union" else st.candidates[:, :k]
