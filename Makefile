@@ -29,7 +29,7 @@ demo: setup
 	$(PY) -m evals.demo
 
 bench: setup
-	$(PY) -m icecache.bench.index
+	$(PY) -m evals.bench.index
 	$(PY) -m evals.bench.decode
 
 clean:

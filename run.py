@@ -21,6 +21,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from evals.configs import register  # noqa: E402
+
+register()  # the cache/<method> and eval/<suite> groups, generated from the dataclasses
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> str:

@@ -25,9 +25,10 @@ from typing import ClassVar
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, causal_attention
+from icecache.kv import BudgetError, Fetched, KVMethod, causal_attention
 from icecache.kv.attention import attention_logits, expand_heads
 from icecache.kv.per_head import GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, store_per_head
+
 
 def attention_column_sums(q: torch.Tensor, k: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
     """``[H_q, n]`` fp32: for each key ``j``, the sum over queries ``i >= j`` of the causal softmax
@@ -66,7 +67,7 @@ class H2O(KVMethod):
     chunk_size: int = 512
     name: ClassVar[str] = "h2o"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if not 0.0 <= self.heavy_ratio < 1.0:
             raise BudgetError(f"h2o: heavy_ratio must be in [0, 1) so the recent window is not empty, "
                               f"got {self.heavy_ratio}")

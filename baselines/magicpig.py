@@ -38,8 +38,9 @@ from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
 from icecache.offload import to_store
 
+from .common import keep_sinks_and_recent, scaled_layers
+
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
-OFFICIAL_DEPTH = 32
 
 
 # ---------------------------------------------------------------------------------------- SimHash
@@ -184,18 +185,23 @@ class MagicPIG(KVMethod):
     def sample_target(self) -> int:
         return self.budget - self.n_sink - self.local
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.budget < self.n_sink + 2:
             raise BudgetError(f"magicpig: budget {self.budget} must be >= n_sink + 2 = {self.n_sink + 2} "
                               "(sinks, a local window and a sampled part)")
         if not 1 <= self.min_collisions <= self.n_tables:
             raise BudgetError(f"magicpig: need 1 <= min_collisions ({self.min_collisions}) <= n_tables ({self.n_tables})")
+        self.check_whole("n_bits", "n_sink", "local_window", "max_bits", "seed")
+        self.check_whole("n_tables", "min_collisions", minimum=1)
+        self.check_choice("calibrate", (False, True))
+        if self.dense_layers is not None and not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
+            raise ValueError(f"magicpig: dense_layers must be layer ids (whole numbers >= 0), got {self.dense_layers}")
 
     def bind(self, spec: ModelSpec) -> None:
         super().bind(spec)
         layers = self.dense_layers
         if layers is None:
-            layers = {round(f * spec.n_layers / OFFICIAL_DEPTH) for f in OFFICIAL_DENSE_LAYERS}
+            layers = scaled_layers(OFFICIAL_DENSE_LAYERS, spec.n_layers)
         self.dense = frozenset(int(i) for i in layers)
         generator = torch.Generator().manual_seed(self.seed)
         bits = max(self.n_bits, self.max_bits if self.calibrate else 0)
@@ -219,8 +225,7 @@ class MagicPIG(KVMethod):
             return
         mid = slice(self.n_sink, self.n_sink + n_mid)
         st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])
-        keep = torch.cat([torch.arange(self.n_sink), torch.arange(self.n_sink + n_mid, st.n_seen)]).to(st.k.device)
-        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+        keep_sinks_and_recent(st, self.n_sink, self.local)  # the prompt's sinks and local window stay resident
         self.submit_background(st, self.build_index, st)
 
     def build_index(self, st: PigState) -> None:

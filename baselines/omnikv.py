@@ -34,14 +34,15 @@ from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits
 from icecache.offload import to_store
 
+from .common import scaled_layers
+
 OFFICIAL_FILTER_LAYERS = (2, 8, 18)  # configs/example.json, for 32-layer Llama-3-8B
-OFFICIAL_DEPTH = 32
 SELECTORS = ("last", "softmax_before_last")
 
 
 def scaled_filter_layers(n_layers: int) -> tuple[int, ...]:
     """The official filter layers scaled to a model of ``n_layers`` layers."""
-    return tuple(sorted({min(n_layers - 1, round(f * n_layers / OFFICIAL_DEPTH)) for f in OFFICIAL_FILTER_LAYERS}))
+    return scaled_layers(OFFICIAL_FILTER_LAYERS, n_layers)
 
 
 def layer_roles(n_layers: int, filters: Sequence[int], wait_layers: int) -> dict[int, tuple[str, int | None]]:
@@ -99,11 +100,14 @@ class OmniKV(KVMethod):
     roles: dict = field(default_factory=dict, init=False, repr=False)  # layer -> (role, its filter layer)
     shared: dict = field(default_factory=dict, init=False, repr=False)  # filter -> (step, selected positions)
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.selector not in SELECTORS:
             raise BudgetError(f"omnikv: selector must be one of {SELECTORS}, got '{self.selector}'")
         if self.wait_layers < 0:
             raise BudgetError(f"omnikv: wait_layers must be >= 0, got {self.wait_layers}")
+        self.check_whole("wait_layers")
+        if self.filter_layers is not None and not all(isinstance(f, int) and f >= 0 for f in self.filter_layers):
+            raise ValueError(f"omnikv: filter_layers must be layer ids (whole numbers >= 0), got {self.filter_layers}")
 
     def bind(self, spec: ModelSpec) -> None:
         super().bind(spec)

@@ -33,6 +33,8 @@ from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.method import append_to_buffer
 from icecache.offload import HostKV
 
+from .common import keep_sinks_and_recent
+
 
 def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
     """``[H, n, d]`` -> ``[H, m, n, d/m]`` (sub-vector ``s`` of every token)."""
@@ -132,13 +134,15 @@ class PQCache(KVMethod):
     def topk(self) -> int:
         return self.budget - self.n_sink - self.recent
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.n_subvec not in (1, 2, 4, 8, 16):
             raise BudgetError(f"pqcache: n_subvec must be one of 1, 2, 4, 8, 16, got {self.n_subvec}")
         if self.recent < 1 or self.topk < 1:
             raise BudgetError(f"pqcache: budget {self.budget} leaves no room for a recent window and a top-k "
                               f"after {self.n_sink} sinks (recent={self.recent}, top-k={self.topk}); "
                               f"use budget >= {self.n_sink + 2} and 0 < recent_ratio < 1")
+        self.check_whole("n_sink", "kmeans_iters", "seed")
+        self.check_whole("n_bits", minimum=1)
 
     def bind(self, spec: ModelSpec) -> None:
         if spec.head_dim % self.n_subvec:
@@ -205,9 +209,7 @@ class PQCache(KVMethod):
             uncoded = max(0, self.n_sink + st.codes.shape[1] - first)  # leaving tokens that already have one
             if uncoded < n_leave:
                 self.assign_code(st, st.k[:, self.n_sink + uncoded: self.n_sink + n_leave])
-        keep = torch.cat([torch.arange(self.n_sink), torch.arange(self.n_sink + n_window - self.recent,
-                                                                  st.k.shape[1])]).to(st.k.device)
-        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+        keep_sinks_and_recent(st, self.n_sink, self.recent)
 
     def assign_code(self, st: PQState, k: torch.Tensor) -> None:
         """Appends the nearest-centroid codes of the tokens ``k: [H, t, d]`` (amortised O(1) per token)."""

@@ -6,7 +6,7 @@ metadata is the element-wise minimum ``m_P`` and maximum ``M_P`` of its keys; at
 criticality of a page for query ``q`` is ``sum_i max(q_i m_{P,i}, q_i M_{P,i})``, an upper bound of
 ``q . k`` over the page. Each head attends to its top ``budget / page_size`` pages, the page holding the
 most recent tokens (and the current one) always among them, as Quest does. Prefill and the first
-``dense_layers`` layers use full attention.
+``n_dense_layers`` layers use full attention.
 
 GQA: selection is per *query head* (Quest's default; the official kernels are MHA), so the selection's
 head axis is ``H_q``; query head ``h`` bounds pages with its own query against the metadata of KV head
@@ -26,18 +26,19 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
+from icecache.kv import BudgetError, Fetched, KVMethod
 from icecache.kv.method import append_to_buffer
 
+from .common import AttendedSetState, check_attended
 
-class QuestState(LayerState):
+
+class QuestState(AttendedSetState):
     """Resident K/V plus page metadata ``kmin, kmax: [H_kv, n_pages, d]``."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
         self.kmin: torch.Tensor | None = None
         self.kmax: torch.Tensor | None = None
-        self.max_attended = 0  # most past tokens any head attended at the last step
 
 
 def page_min_max(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +68,16 @@ class Quest(KVMethod):
         budget: past tokens attended per query head per step in a sparse layer; must be a multiple of
             ``page_size`` (``budget / page_size`` pages, the last page included).
         page_size: tokens per page (paper: 16).
-        dense_layers: the first layers that attend to everything (paper: 2).
+        n_dense_layers: the first layers that attend to everything (paper: 2; IceCache names it the same).
     """
 
     page_size: int = 16
-    dense_layers: int = 2
+    n_dense_layers: int = 2
     name: ClassVar[str] = "quest"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
+        self.check_whole("page_size", minimum=1)
+        self.check_whole("n_dense_layers")
         if self.budget % self.page_size:
             lower = self.budget // self.page_size * self.page_size
             nearest = [b for b in (lower, lower + self.page_size) if b > 0]
@@ -82,7 +85,7 @@ class Quest(KVMethod):
                               f"nearest valid budgets: {' or '.join(map(str, nearest))}")
 
     def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx >= self.dense_layers
+        return layer_idx >= self.n_dense_layers
 
     def new_state(self, layer_idx: int) -> QuestState:
         return QuestState(layer_idx)
@@ -128,6 +131,4 @@ class Quest(KVMethod):
 
     def check_resident(self, st: QuestState) -> None:
         """All keys stay resident (no offload in Quest); debug mode checks the attended set instead."""
-        if self.is_budgeted(st.layer_idx) and st.max_attended > self.budget:
-            raise AssertionError(f"quest: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
-                                 f"head, over the budget of {self.budget}")
+        check_attended(self, st)

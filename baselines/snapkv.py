@@ -74,7 +74,7 @@ class SnapKV(KVMethod):
     decode_policy: str = "sliding"
     name: ClassVar[str] = "snapkv"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.window_size <= 0 or self.budget <= self.window_size:
             raise BudgetError(f"snapkv: budget {self.budget} must exceed window_size={self.window_size} (the "
                               f"observation window plus at least one voted token); try budget="

@@ -19,6 +19,8 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 
+from .common import keep_sinks_and_recent
+
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Applies a RoPE rotation by ``delta`` positions (``[m]``) to post-RoPE vectors ``x: [H, m, d]``."""
@@ -43,7 +45,9 @@ class StreamingLLM(KVMethod):
     rerotate: bool = False
     name: ClassVar[str] = "streaming_llm"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
+        self.check_whole("n_sink")
+        self.check_choice("rerotate", (False, True))
         if self.budget <= self.n_sink:
             raise BudgetError(f"streaming_llm: budget {self.budget} must exceed n_sink={self.n_sink} "
                               f"(sinks + at least one recent token); try budget={self.n_sink + 60}")
@@ -61,12 +65,8 @@ class StreamingLLM(KVMethod):
 
     def evict(self, st: LayerState) -> None:
         """Keeps the ``n_sink`` first and ``budget - n_sink`` most recent tokens."""
-        n = st.k.shape[1]
-        if n <= self.budget:
-            return
-        recent = self.budget - self.n_sink
-        keep = torch.cat([torch.arange(self.n_sink), torch.arange(n - recent, n)]).to(st.k.device)
-        st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
+        if st.k.shape[1] > self.budget:
+            keep_sinks_and_recent(st, self.n_sink, self.budget - self.n_sink)
 
     def fetch(self, st: LayerState, selection) -> Fetched:
         if not self.rerotate:

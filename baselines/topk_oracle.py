@@ -19,17 +19,13 @@ from typing import ClassVar
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
+from icecache.kv import Fetched, KVMethod
 from icecache.kv.attention import attention_logits
 
+from .common import AttendedSetState, check_attended
+
 HEAD_MODES = ("query", "kv")
-GROUP_AGGREGATIONS = ("sum", "max")
-
-
-class TopKState(LayerState):
-    def __init__(self, layer_idx: int):
-        super().__init__(layer_idx)
-        self.max_attended = 0  # most past tokens any head attended at the last step
+KV_RANKINGS = ("sum", "max")  # heads=kv: sum of the softmax | max of the logits
 
 
 @dataclass
@@ -46,14 +42,14 @@ class TopKOracle(KVMethod):
     group_agg: str = "sum"
     name: ClassVar[str] = "topk"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.heads not in HEAD_MODES:
             raise ValueError(f"topk: heads must be one of {HEAD_MODES}, got '{self.heads}'")
-        if self.group_agg not in GROUP_AGGREGATIONS:
-            raise ValueError(f"topk: group_agg must be one of {GROUP_AGGREGATIONS}, got '{self.group_agg}'")
+        if self.group_agg not in KV_RANKINGS:
+            raise ValueError(f"topk: group_agg must be one of {KV_RANKINGS}, got '{self.group_agg}'")
 
-    def new_state(self, layer_idx: int) -> TopKState:
-        return TopKState(layer_idx)
+    def new_state(self, layer_idx: int) -> AttendedSetState:
+        return AttendedSetState(layer_idx)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Ranking scores ``[H, n]`` over all resident tokens (current one last), ``H`` = H_q or H_kv."""
@@ -63,20 +59,18 @@ class TopKOracle(KVMethod):
         grouped = logits.view(self.spec.n_kv_heads, self.spec.group, -1)
         return grouped.softmax(-1).sum(1) if self.group_agg == "sum" else grouped.amax(1)
 
-    def select(self, st: TopKState, q: torch.Tensor) -> torch.Tensor:
+    def select(self, st: AttendedSetState, q: torch.Tensor) -> torch.Tensor:
         """``[H, min(budget, past) + 1]`` token indices: the top past tokens, then the current token."""
         n = st.k.shape[1]
         top = self.scores(q, st.k)[:, :-1].topk(min(self.budget, n - 1), dim=-1).indices
         return torch.cat([top, top.new_full((top.shape[0], 1), n - 1)], dim=1)
 
-    def fetch(self, st: TopKState, tokens: torch.Tensor) -> Fetched:
+    def fetch(self, st: AttendedSetState, tokens: torch.Tensor) -> Fetched:
         st.max_attended = tokens.shape[1] - 1
         group = tokens.shape[0] // self.spec.n_kv_heads  # 1 for heads="kv", G for heads="query"
         kv_head = (torch.arange(tokens.shape[0], device=tokens.device) // group)[:, None]
         return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens])
 
-    def check_resident(self, st: TopKState) -> None:
+    def check_resident(self, st: AttendedSetState) -> None:
         """Every key stays resident (an oracle); debug mode checks the attended set instead."""
-        if st.max_attended > self.budget:
-            raise AssertionError(f"topk: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
-                                 f"head, over the budget of {self.budget}")
+        check_attended(self, st)

@@ -13,7 +13,7 @@ numbers come from :meth:`Suite.aggregate` over those rows, so a resumed run need
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -43,24 +43,40 @@ class Sample:
     meta: dict = field(default_factory=dict)  # JSON-serialisable extras kept in the prediction row
 
 
+@dataclass
+class NoOptions:
+    """A suite without options of its own."""
+
+
 class Suite:
-    """Base class. Subclasses are constructed with their config fields as keyword arguments plus the
-    common ones below, and must not load anything heavy in ``__init__`` beyond checking their data."""
+    """Base class. A suite's options are the fields of its ``Options`` dataclass (their defaults are the
+    suite's defaults, and the run config's ``eval`` group is generated from them: :mod:`evals.configs`);
+    it is constructed with them as keyword arguments plus the common ones below, which :meth:`configure`
+    checks. ``__init__`` must not load anything heavy beyond checking the data."""
 
     name: ClassVar[str] = ""
     needs_data: ClassVar[bool] = False
+    Options: ClassVar[type] = NoOptions
+    # run-config values of options that follow the model group (``${model.prompt...}`` interpolations)
+    model_links: ClassVar[dict[str, str]] = {}
 
     def __init__(self, tokenizer, data_dir: str | Path | None = None, max_length: int = 8192,
                  seed: int = 0, limit: int | None = None, **options):
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be >= 1 (samples per task), got {limit}")
-        if options:
-            raise ValueError(f"eval '{self.name}' has no option(s) {sorted(options)}")
+        unknown = sorted(set(options) - {f.name for f in fields(self.Options)})
+        if unknown:
+            raise ValueError(f"eval '{self.name}' has no option(s) {unknown}")
         self.tokenizer = tokenizer
         self.data_dir = Path(data_dir) if data_dir else None
         self.max_length = max_length
         self.seed = seed
         self.limit = limit
+        self.options = self.Options(**options)
+        self.configure(**{f.name: getattr(self.options, f.name) for f in fields(self.Options)})
+
+    def configure(self, **options) -> None:
+        """Checks the options and derives the suite's settings from them (once, from ``__init__``)."""
 
     def samples(self) -> Iterator[Sample]:
         raise NotImplementedError

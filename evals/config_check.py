@@ -2,7 +2,7 @@
 
 Every type, range and enum mistake in the top-level settings and the ``model`` group is one
 :class:`ConfigError` line; ``cache.*`` and ``eval.*`` options are checked against the type of their
-default in ``conf/<group>/<name>.yaml`` (a boolean option takes ``true``/``false`` only, a whole-number
+Python default (the method's dataclass field, the suite's ``Options``: :func:`evals.configs.defaults`) (a boolean option takes ``true``/``false`` only, a whole-number
 option a whole number); the methods and suites check their own ranges and enums. Returns a canonical copy:
 whole floats become ints (``budget=64.0`` is ``budget=64``) and ``device=auto`` is resolved.
 """
@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 
 import torch
-import yaml
 
+from . import configs
 from .results import canonical
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -93,14 +92,6 @@ def _model(model: dict) -> dict:
     return model
 
 
-def _defaults(group: str, name) -> dict:
-    path = CONF / group / f"{name}.yaml"
-    try:
-        return yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
-    except (OSError, yaml.YAMLError):
-        return {}
-
-
 def _typed_like(key: str, value, default):
     """``value`` checked against the type of its scalar default (a None default accepts anything; a list or
     mapping is left to the suite or method, e.g. ``eval.depths`` takes a count or a list of depths)."""
@@ -118,7 +109,7 @@ def _typed_like(key: str, value, default):
 
 
 def _group(group: str, options: dict) -> dict:
-    defaults = _defaults(group, options.get("name"))
+    defaults = configs.defaults(group, options.get("name")) if isinstance(options.get("name"), str) else {}
     return {k: _typed_like(f"{group}.{k}", v, defaults.get(k)) for k, v in options.items()}
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from .configs import compose_config
 from .harness import REPO_ROOT, run_eval
 from .summary import collect
 
@@ -19,12 +19,11 @@ METHODS = ("full", "streaming_llm", "icecache")
 
 def run_demo(methods=METHODS, budget: int = 64, lengths=(2048, 4096), depths: int = 4,
              results_dir: Path = REPO_ROOT / "results" / "demo") -> Path:
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        for method in methods:
-            cfg = compose("config", overrides=[f"cache={method}", f"budget={budget}", "eval=passkey",
-                                               f"eval.lengths=[{','.join(map(str, lengths))}]",
-                                               f"eval.depths={depths}", f"results_dir={results_dir}"])
-            run_eval(OmegaConf.to_container(cfg, resolve=True), config_yaml=OmegaConf.to_yaml(cfg))
+    for method in methods:
+        cfg = compose_config([f"cache={method}", f"budget={budget}", "eval=passkey",
+                              f"eval.lengths=[{','.join(map(str, lengths))}]", f"eval.depths={depths}",
+                              f"results_dir={results_dir}"], resolve=False)
+        run_eval(OmegaConf.to_container(cfg, resolve=True), config_yaml=OmegaConf.to_yaml(cfg))
     frame = collect(results_dir)
     frame = frame[frame["status"] == "complete"]
     tasks = sorted(c for c in frame.columns if c.startswith("task/"))

@@ -22,9 +22,10 @@ Budgets for this suite are fractions of the prompt (the paper's "10% budget", PQ
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterator
 
-from .base import DataError, Sample, Suite, read_jsonl, resolve_budget
+from .base import DataError, Sample, Suite, read_jsonl
 
 PROTOCOLS = ("pqcache", "lm_eval")
 PQCACHE_SPLIT = "\nQuestion: "
@@ -95,13 +96,21 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text
 
 
+@dataclass
+class GSM8KOptions:
+    protocol: str = "pqcache"  # pqcache: 10-shot CoT file, PQCache/IceCache scoring | lm_eval: 8-shot, strict/flexible
+    max_new_tokens: int = 256
+    add_special_tokens: bool = True  # tokenize the prompt with the tokenizer's special tokens (BOS)
+
+
 class GSM8K(Suite):
+
+    Options = GSM8KOptions
     name = "gsm8k"
     needs_data = True
 
-    def __init__(self, tokenizer, protocol: str = "pqcache", max_new_tokens: int = 256,
-                 add_special_tokens: bool = True, **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, protocol, max_new_tokens, add_special_tokens) -> None:
+        tokenizer = self.tokenizer
         if protocol not in PROTOCOLS:
             raise ValueError(f"gsm8k protocol must be one of {PROTOCOLS}, got '{protocol}'")
         if tokenizer is None:

@@ -19,14 +19,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from icecache.kv import BudgetError, KVMethod, make_method
-from icecache.kv.registry import UnknownNameError
+from icecache.kv import BudgetError, KVMethod, UnknownNameError
 from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_dtype
 
 from . import results, wandb_log
 from .base import DataError, resolve_budget
 from .config_check import ConfigError, check_config, check_results_dir
-from .registry import suite_class
+from .registry import make_method, suite_class
 from .runner import generate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +36,8 @@ USER_ERRORS = (ConfigError, BudgetError, UnknownNameError, DataError, ModelUnava
 __all__ = ["ConfigError", "USER_ERRORS", "Plan", "plan", "run_eval"]
 
 
-def resolve_path(p: str | None) -> Path | None:
+def repo_path(p: str | None) -> Path | None:
+    """A configured path: absolute as given, relative to the repository root otherwise."""
     if p is None:
         return None
     path = Path(p)
@@ -79,11 +79,11 @@ def plan(cfg: dict) -> Plan:
         raise ConfigError(f"cache '{name}': {err}") from None
     suite_opts = {k: v for k, v in cfg["eval"].items() if k != "name"}
     suite_cls = suite_class(cfg["eval"]["name"])
-    data_dir = resolve_path(cfg.get("data_dir"))
+    data_dir = repo_path(cfg.get("data_dir"))
     if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
         raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
                                 "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
-    results_dir = resolve_path(cfg.get("results_dir") or "results")
+    results_dir = repo_path(cfg.get("results_dir") or "results")
     check_results_dir(results_dir)
     cfg = dict(cfg, results_dir=str(results_dir), data_dir=None if data_dir is None else str(data_dir))
     return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
@@ -94,7 +94,7 @@ def _model_settings(model: dict) -> dict:
     checked, and, for an unregistered local model, the context length read from its ``config.json``."""
     path = model.get("path")
     if path is not None:
-        path = str(resolve_path(path))
+        path = str(repo_path(path))
     entry = model_entry(model["name"], path)
     if entry.source == "local" and entry.max_length:
         model = dict(model, max_length=entry.max_length)

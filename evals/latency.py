@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from .base import DataError, Sample, Suite
 from .passkey import GARBAGE
 
 
+@dataclass
+class LatencyOptions:
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
+    new_tokens: int = 32
+    repeats: int = 1
+    beyond_max_length: bool = True  # SmolLM2 is trained to 8k; latency does not need trained quality
+
+
 class Latency(Suite):
+
+    Options = LatencyOptions
     name = "latency"
 
-    def __init__(self, tokenizer, lengths=(2048, 4096, 8192, 16384), new_tokens: int = 32, repeats: int = 1,
-                 beyond_max_length: bool = True, **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, lengths, new_tokens, repeats, beyond_max_length) -> None:
         self.lengths, self.new_tokens, self.repeats = [int(n) for n in lengths], int(new_tokens), int(repeats)
         if self.new_tokens < 3:
             raise ValueError("latency needs new_tokens >= 3 (TPOT is measured over tokens 3..N)")

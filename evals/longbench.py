@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -63,15 +64,32 @@ HOW_TO_GET = ("available here: {available}. For other tasks unzip data/<task>.js
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LongBenchOptions:
+    """LongBench options; in a run, ``chat_format``, ``system_prompt`` and ``chat_template_kwargs`` follow the
+    model (``conf/model/<model>.yaml`` ``prompt:``, :attr:`LongBench.model_links`)."""
+
+    tasks: list[str] | None = None  # None: the 16 English tasks of the KV-cache papers
+    chinese: bool = False  # true adds multifieldqa_zh, dureader, vcsum, lsht, passage_retrieval_zh
+    longbench_dir: str = DEFAULT_DIR  # <data_dir>/<longbench_dir>/<task>.jsonl; else longbench_sample
+    hf_dataset: str | None = None  # e.g. THUDM/LongBench: tasks with no local file through `datasets`
+    chat_format: str = "template"  # template | inst ("[INST]{prompt}[/INST]") | vicuna (FastChat) | none
+    system_prompt: str | None = "You are a helpful assistant."  # system turn of chat_format=template
+    chat_add_special_tokens: bool = True  # tokenize the rendered chat text with special tokens
+    chat_template_kwargs: dict | None = None  # Qwen3: {enable_thinking: false}
+
+
 class LongBench(Suite):
+
+    Options = LongBenchOptions
+    model_links = {"chat_format": "${model.prompt.longbench}", "system_prompt": "${model.prompt.system_prompt}",
+                   "chat_template_kwargs": "${model.prompt.chat_template_kwargs}"}
     name = "longbench"
     needs_data = True
 
-    def __init__(self, tokenizer, tasks: list[str] | None = None, chinese: bool = False,
-                 longbench_dir: str = DEFAULT_DIR, hf_dataset: str | None = None, chat_format: str = "template",
-                 system_prompt: str | None = "You are a helpful assistant.", chat_add_special_tokens: bool = True,
-                 chat_template_kwargs: dict | None = None, **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, tasks, chinese, longbench_dir, hf_dataset, chat_format, system_prompt,
+                  chat_add_special_tokens, chat_template_kwargs) -> None:
+        tokenizer = self.tokenizer
         if tokenizer is None:
             raise ValueError("eval 'longbench' needs the model's tokenizer (truncation and chat template are "
                              "part of the protocol)")

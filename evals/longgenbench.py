@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Iterator
 
 from .base import DataError, GenerateFn, Sample, Suite
@@ -73,6 +74,16 @@ def task_name(unit_type: str) -> str:
     return unit_type.lower().replace(" ", "_")
 
 
+@dataclass
+class LongGenBenchOptions:
+    subset: str = "short"  # short (Dataset_short.json, 16k new tokens) | long (Dataset_long.json, 32k)
+    types: list[str] | None = None  # e.g. [Week, Floor]; None = all four types of the subset
+    judge_model: str | None = OFFICIAL_JUDGE  # None: the model under test judges
+    max_new_tokens: int | None = None  # cap below the official 16k/32k new tokens (smoke runs); None = official
+    decoding: str = "official"  # official: temperature 0.95, top-p 0.95, seeded | greedy
+    sampling_seed: int = OFFICIAL_SEED  # the official SamplingParams seed; item i uses sampling_seed + i
+
+
 class LongGenBench(Suite):
     """LongGenBench (Wu et al.). Options: ``subset`` (short = Dataset_short.json, 16K; long =
     Dataset_long.json, 32K), ``types`` (a subset of the item types, e.g. ``[Week, Floor]``; default all),
@@ -81,13 +92,12 @@ class LongGenBench(Suite):
     ``decoding`` (``official`` sampling | ``greedy``) and ``sampling_seed``.
     ``limit`` caps the items per type. Sample ids: ``<subset>-<item index in the file>``."""
 
+    Options = LongGenBenchOptions
+
     name = "longgenbench"
     needs_data = True
 
-    def __init__(self, tokenizer, subset: str = "short", types=None, judge_model: str | None = OFFICIAL_JUDGE,
-                 max_new_tokens: int | None = None, decoding: str = "official", sampling_seed: int = OFFICIAL_SEED,
-                 **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, subset, types, judge_model, max_new_tokens, decoding, sampling_seed) -> None:
         if subset not in MAX_NEW_TOKENS:
             raise ValueError(f"longgenbench subset must be one of {sorted(MAX_NEW_TOKENS)}, got {subset!r}")
         if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):

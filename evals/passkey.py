@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -82,13 +83,28 @@ def passkey_text(n_garbage: int, n_prefix: int, pass_key: int, separator: str = 
     return body + separator + QUESTION
 
 
+@dataclass
+class PasskeyOptions:
+    """Passkey options (see the module docstring)."""
+
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096])  # target prompt lengths (length_unit)
+    depths: int | list[float] = 10  # number of depths (depth_grid), or a list of depths in [0, 1]
+    depth_grid: str = "linear"  # linear: i/n (IceCache loc = i/num_tests) | quest: 100//n*(k+1) percent (Quest)
+    length_unit: str = "tokens"  # tokens: sized with the tokenizer | chars: n_garbage characters (official)
+    question_separator: str = ""  # "": right after the garbage (IceCache) | "\n": on its own line (Quest)
+    question_via_decode: bool | str = False  # false: prefilled | true: through the decode path | quest: last 400 chars
+    key_rng: str = "per_sample"  # per_sample: Random(seed + 1000*length_idx + depth_idx) | icecache: RandomState(seed)
+    max_new_tokens: int = 10
+
+
 class Passkey(Suite):
+
+    Options = PasskeyOptions
     name = "passkey"
 
-    def __init__(self, tokenizer, lengths=(2048, 4096), depths: int | list[float] = 10, depth_grid: str = "linear",
-                 length_unit: str = "tokens", question_separator: str = "", question_via_decode: bool | str = False,
-                 key_rng: str = "per_sample", max_new_tokens: int = 10, **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, lengths, depths, depth_grid, length_unit, question_separator, question_via_decode, key_rng,
+                  max_new_tokens) -> None:
+        tokenizer = self.tokenizer
         _check_choice("depth_grid", depth_grid, DEPTH_GRIDS)
         _check_choice("length_unit", length_unit, LENGTH_UNITS)
         _check_choice("key_rng", key_rng, KEY_RNGS)

@@ -1,9 +1,31 @@
-"""Suites found by name: ``"module:Class"``, imported only when used."""
+"""Methods and suites found by name: ``"module:Class"``, imported only when used.
+
+This table sits above the library (``icecache/``) and the baselines, which never import it: adding a method
+is one file (its ``@dataclass``) and one line in :data:`METHODS`; its run configuration ``cache=<name>`` is
+generated from the dataclass (:mod:`evals.configs`).
+"""
 from __future__ import annotations
 
 import importlib
+from dataclasses import fields
 
-from icecache.kv.registry import UnknownNameError
+import torch
+
+from icecache.kv import KVCache, KVMethod, UnknownNameError
+
+METHODS: dict[str, str] = {
+    "full": "baselines.full:FullCache",
+    "streaming_llm": "baselines.streaming_llm:StreamingLLM",
+    "h2o": "baselines.h2o:H2O",
+    "snapkv": "baselines.snapkv:SnapKV",
+    "quest": "baselines.quest:Quest",
+    "topk": "baselines.topk_oracle:TopKOracle",
+    "pqcache": "baselines.pqcache:PQCache",
+    "omnikv": "baselines.omnikv:OmniKV",
+    "magicpig": "baselines.magicpig:MagicPIG",
+    "icecache": "icecache.method:IceCache",
+    "icecache_reuse": "icecache.method:IceCacheReuse",
+}
 
 SUITES: dict[str, str] = {
     "passkey": "evals.passkey:Passkey",
@@ -14,9 +36,38 @@ SUITES: dict[str, str] = {
     "latency": "evals.latency:Latency",
 }
 
+__all__ = ["METHODS", "SUITES", "UnknownNameError", "make_cache", "make_method", "method_class", "suite_class"]
+
+
+def _load(table: dict[str, str], kind: str, name: str):
+    if name not in table:
+        raise UnknownNameError(f"unknown {kind} '{name}'; valid: {', '.join(sorted(table))}")
+    module, cls = table[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def method_class(name: str) -> type[KVMethod]:
+    return _load(METHODS, "cache method", name)
+
 
 def suite_class(name: str):
-    if name not in SUITES:
-        raise UnknownNameError(f"unknown eval '{name}'; valid: {', '.join(sorted(SUITES))}")
-    module, cls = SUITES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return _load(SUITES, "eval", name)
+
+
+def make_method(name: str, budget: int | None = None, **hyperparameters) -> KVMethod:
+    """Builds (and validates) a method from its name, the common budget and its own hyperparameters."""
+    cls = method_class(name)
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(hyperparameters) - known)
+    if unknown:
+        raise ValueError(f"cache '{name}' has no hyperparameter(s) {unknown}; valid: {sorted(known - {'budget'})}")
+    return cls(budget=budget, **hyperparameters)
+
+
+def make_cache(method: str | KVMethod, model: torch.nn.Module, budget: int | None = None,
+               profile: bool = False, **hyperparameters) -> KVCache:
+    """A cache for ``model.generate(..., past_key_values=make_cache("streaming_llm", model, budget=64))``
+    (:meth:`icecache.kv.KVCache.for_model` of the named method). One cache serves one sequence."""
+    if isinstance(method, str):
+        method = make_method(method, budget=budget, **hyperparameters)
+    return KVCache.for_model(method, model, profile=profile)

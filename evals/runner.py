@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icecache.kv import KVCache, KVMethod, ModelSpec
-from icecache.kv import compat
+from icecache.kv import KVCache, KVMethod, ModelSpec, compat
 from icecache.kv.timing import PHASES
 
 

@@ -1,10 +1,15 @@
-"""IceCache benchmark harness: KV-cache methods behind one interface on transformers.
+"""IceCache benchmark harness, the library: the KV-cache interface every method implements
+(:mod:`icecache.kv`), IceCache itself (:mod:`icecache.method`, its M-DCI index :mod:`icecache.dci`, its offload
+store :mod:`icecache.offload`) and the models. It imports nothing from ``baselines`` or ``evals``.
 
 Quick use::
 
-    from icecache import make_cache
-    out = model.generate(**inputs, past_key_values=make_cache("icecache", model, budget=64))
-"""
-from .kv import KVCache, KVMethod, make_cache, make_method
+    from icecache import KVCache
+    from icecache.method import IceCache
+    out = model.generate(**inputs, past_key_values=KVCache.for_model(IceCache(budget=128), model))
 
-__all__ = ["KVCache", "KVMethod", "make_cache", "make_method"]
+By name (any method, baselines included): ``from evals.registry import make_cache``.
+"""
+from .kv import KVCache, KVMethod
+
+__all__ = ["KVCache", "KVMethod"]

@@ -183,7 +183,7 @@ class IceCache(KVMethod):
             sink = min(sink, max(1, pages - self.n_window_pages - 1))
         return sink, self.n_window_pages, pages - sink - self.n_window_pages
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         for key in ("page_size", "n_sink_pages", "n_window_pages", "n_dense_layers", "gqa_candidates"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
                 raise ValueError(f"{self.name}: {key} must be a whole number, got {getattr(self, key)!r}")
@@ -451,14 +451,14 @@ class IceCacheReuse(IceCache):
     rerank: int = 3
     name: ClassVar[str] = "icecache_reuse"
 
-    def check_budget(self) -> None:
+    def validate(self) -> None:
         if self.n_reuse_layers < 1:
             raise ValueError(f"{self.name}: n_reuse_layers must be >= 1, got {self.n_reuse_layers}")
         if self.rerank < 0 or self.rerank == 1:
             raise ValueError(f"{self.name}: rerank must be 0 (official) or >= 2 candidates per page, got {self.rerank}")
         if self.rerank and self.gqa_merge == "union":
             raise ValueError(f"{self.name}: rerank needs a merge within the budget, not gqa_merge='union'")
-        super().check_budget()
+        super().validate()
 
     def candidate_width(self, k: int) -> int:
         return self.rerank * k if self.rerank else k

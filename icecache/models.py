@@ -134,7 +134,7 @@ def model_entry(name: str, path: str | None = None) -> ModelEntry:
     if path:
         check_local_checkpoint(name, path)
         return ModelEntry(name, "local", max_length=_config_max_length(path))
-    from icecache.kv.registry import UnknownNameError
+    from icecache.kv import UnknownNameError
 
     raise UnknownNameError(f"unknown model '{name}'; valid: {', '.join(sorted(MODELS))}, or any name with "
                            "model.path=/dir/with/config.json")

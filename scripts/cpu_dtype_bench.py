@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from evals.registry import make_method  # noqa: E402
 from evals.runner import generate  # noqa: E402
 from icecache import hardware  # noqa: E402
-from icecache.kv import make_method  # noqa: E402
 from icecache.models import load_model  # noqa: E402
 
 

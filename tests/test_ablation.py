@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import build_tiny
+
 from evals.bench.ablation import Prefilled, grid, icecache_config
+from evals.registry import make_method
 from evals.runner import generate
-from icecache.kv import make_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,19 +2,16 @@
 eager references, per-head budgets, and the tokens kept on hand-made inputs."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
+from conftest import assert_matches_full, build_tiny, generate_with
 
 from baselines.h2o import H2O, aggregate_group, attention_column_sums
 from baselines.snapkv import SnapKV, pool_votes, window_votes
-from icecache.kv import BudgetError, ModelSpec, make_method
+from evals.registry import make_method
+from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.timing import PhaseTimer
-from conftest import assert_matches_full, build_tiny, generate_with
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "cache"
 PROMPT, NEW = 48, 8
 COVERING = PROMPT + NEW - 2  # past tokens at the last decode step: exactly the whole context
 
@@ -63,15 +60,6 @@ def test_resident_never_exceeds_budget(tiny_model, method, budget, hp):
     _, cache = generate_with(tiny_model, ids, 6, method, budget, debug=True, **hp)  # debug asserts each step
     assert cache.resident_tokens() == [budget] * tiny_model.config.num_hidden_layers
     assert cache.effective_tokens() == [budget] * tiny_model.config.num_hidden_layers
-
-
-@pytest.mark.parametrize("name", ["h2o", "snapkv"])
-def test_config_builds_method_with_paper_defaults(name):
-    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-    assert cfg.pop("name") == name
-    method = make_method(name, budget=64, **cfg)
-    assert method.name == name
-    assert type(method)(budget=64) == method  # the YAML repeats the dataclass (paper) defaults
 
 
 def test_invalid_budgets_are_clear_errors():

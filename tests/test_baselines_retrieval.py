@@ -2,21 +2,17 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import assert_matches_full, build_tiny, generate_with
 
 from baselines import magicpig as mp
 from baselines import omnikv as okv
 from baselines import pqcache as pq
-from conftest import assert_matches_full, build_tiny, generate_with
-from icecache import make_cache
-from icecache.kv import BudgetError, ModelSpec, make_method
+from evals.registry import make_cache, make_method
+from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.attention import attend
-
-CONF = Path(__file__).resolve().parents[1] / "conf" / "cache"
 
 # Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
 # candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
@@ -285,12 +281,3 @@ def test_seeds_change_the_randomised_parts():
 def test_invalid_budgets_fail_at_config_time(method, budget):
     with pytest.raises(BudgetError):
         make_method(method, budget=budget)
-
-
-@pytest.mark.parametrize("method", ["pqcache", "omnikv", "magicpig"])
-def test_hydra_config_holds_the_dataclass_defaults(method):
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / f"{method}.yaml"))
-    name = cfg.pop("name")
-    built = make_method(name, budget=64, **cfg)
-    default = make_method(name, budget=64)
-    assert built == default and math.isfinite(built.budget)

@@ -3,19 +3,17 @@ selection against brute force, and exact top-k attention against an explicit ref
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import assert_matches_full, build_tiny, generate_with
 
 from baselines.quest import Quest, page_min_max, page_upper_bounds
 from baselines.topk_oracle import TopKOracle
-from conftest import assert_matches_full, build_tiny, generate_with
-from icecache.kv import BudgetError, ModelSpec, make_method
+from evals.registry import make_method
+from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.timing import PhaseTimer
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "cache"
 PROMPT, NEW = 48, 8
 
 
@@ -46,20 +44,12 @@ def test_covering_budget_equals_full_attention(tiny_model, method, budget):
     assert_matches_full(tiny_model, method, budget=budget, prompt_len=PROMPT, new_tokens=NEW, debug=True)
 
 
-@pytest.mark.parametrize("method,budget,hp", [("quest", 32, {"dense_layers": 0}), ("topk", 16, {})])
+@pytest.mark.parametrize("method,budget,hp", [("quest", 32, {"n_dense_layers": 0}), ("topk", 16, {})])
 def test_small_budget_changes_the_output(method, budget, hp):
     """The equality above is not vacuous: a budget below the context changes the logits."""
     with pytest.raises(AssertionError, match="differ"):
         assert_matches_full(build_tiny("tiny-llama", 2, 4), method, budget=budget, prompt_len=PROMPT,
                             new_tokens=NEW, **hp)
-
-
-@pytest.mark.parametrize("name", ["quest", "topk"])
-def test_config_builds_method_with_paper_defaults(name):
-    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-    assert cfg.pop("name") == name
-    method = make_method(name, budget=64, **cfg)
-    assert type(method)(budget=64) == method  # the YAML repeats the dataclass (paper) defaults
 
 
 def test_invalid_budgets_are_clear_errors():
@@ -115,7 +105,7 @@ def test_quest_selection_and_attention_equal_brute_force(n_kv, n_q):
     n_prompt, steps, d, ps, budget = 70, 12, 8, 16, 48
     q = torch.randn(n_q, n_prompt + steps, d)
     k, v = torch.randn(n_kv, n_prompt + steps, d), torch.randn(n_kv, n_prompt + steps, d)
-    method = Quest(budget=budget, page_size=ps, dense_layers=0, debug=True)
+    method = Quest(budget=budget, page_size=ps, n_dense_layers=0, debug=True)
     st = bind_and_prefill(method, q[:, :n_prompt], k[:, :n_prompt], v[:, :n_prompt])
     g = n_q // n_kv
     for t in range(n_prompt, n_prompt + steps):  # crosses the page boundary at token 80
@@ -144,7 +134,7 @@ def test_quest_dense_layers_and_budget_accounting():
 
 
 def test_quest_rejects_over_budget_attention():
-    method = Quest(budget=16, dense_layers=0, debug=True)
+    method = Quest(budget=16, n_dense_layers=0, debug=True)
     st = bind_and_prefill(method, torch.randn(2, 40, 4), torch.randn(2, 40, 4), torch.randn(2, 40, 4))
     st.max_attended = 17
     with pytest.raises(AssertionError, match="attended 17 past tokens"):

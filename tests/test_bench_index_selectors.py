@@ -1,4 +1,4 @@
-"""The PQCache and OmniKV selectors of the recall benchmark (icecache/bench/index.py; reference/baselines.md
+"""The PQCache and OmniKV selectors of the recall benchmark (evals/bench/index.py; reference/baselines.md
 §1.3, §1.4, §1.8), on small synthetic captures."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from icecache.bench import index as bench
+from evals.bench import index as bench
 from icecache.dci import DCIConfig
 
 N, STEPS = 1024, 4

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import DATA_DIR
+
 from evals.base import DataError
-from evals.gsm8k import (GSM8K, LM_EVAL_EXEMPLARS, lm_eval_exact_match, lm_eval_extract, pqcache_correct,
-                         resolve_budget)
+from evals.base import resolve_budget
+from evals.gsm8k import GSM8K, LM_EVAL_EXEMPLARS, lm_eval_exact_match, lm_eval_extract, pqcache_correct
 
 needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(),
                                 reason=f"shared GSM8K data not found at {DATA_DIR}/gsm8k (set ICECACHE_DATA_DIR)")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from conftest import assert_matches_full, build_tiny, generate_with
-from icecache.kv import BudgetError, ModelSpec, make_method
+
+from evals.configs import compose_config
+from evals.registry import make_method
+from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.timing import PhaseTimer
 from icecache.offload import OffloadStore
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 # K covers every index page: exhaustive search (every child scored, unbounded field of view) and
 # indexing even though the prompt fits in the budget, so every page is retrieved through the index.
 EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
@@ -98,12 +98,6 @@ def test_invalid_options():
         make_method("icecache", budget=128, n_window_pages=1)
     with pytest.raises(ValueError, match="n_reuse_layers"):
         make_method("icecache_reuse", budget=128, n_reuse_layers=0)
-
-
-def test_yaml_configs_build():
-    for name in ("icecache", "icecache_reuse"):
-        opts = OmegaConf.to_container(OmegaConf.load(CONF / "cache" / f"{name}.yaml"))
-        assert make_method(opts.pop("name"), budget=64, **opts).name == name
 
 
 def test_reuse_anchors_follow_check_reuse():
@@ -383,10 +377,7 @@ def test_cpu_store_adopts_the_prefill_buffers_without_a_copy():
 
 # ------------------------------------------------------------------------------ SmolLM2 integration
 def _passkey_cfg(cache: str, budget, out: Path, **passkey) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    for group, name in (("model", "smollm2-135m"), ("cache", cache), ("eval", "passkey")):
-        cfg[group] = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
-    cfg.pop("defaults"), cfg.pop("hydra")
+    cfg = compose_config(["model=smollm2-135m", f"cache={cache}", "eval=passkey"])
     cfg["eval"].update(passkey)
     return dict(cfg, budget=budget, results_dir=str(out), data_dir=None, progress=False, debug=True)
 

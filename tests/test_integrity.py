@@ -11,18 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA_DIR, build_tiny
 
 from evals import harness, plots, results
 from evals.base import DataError
 from evals.config_check import check_config
 from evals.harness import USER_ERRORS, run_eval
 from evals.longbench import LongBench
+from evals.registry import METHODS, make_cache
 from evals.summary import collect
-from icecache import make_cache
-from icecache.kv import METHODS
 from icecache.models import ModelUnavailableError, tiny_tokenizer
-
-from conftest import DATA_DIR, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 needs_longbench = pytest.mark.skipif(not (DATA_DIR / "longbench_sample").is_dir(), reason="no shared LongBench data")

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_matches_full, build_tiny, generate_reference, generate_with
 
 from baselines.streaming_llm import StreamingLLM, rotate_by
-from icecache import make_cache
-from icecache.kv import BudgetError, LayerState, ModelSpec, make_method
+from evals.registry import make_cache, make_method
+from icecache.kv import BudgetError, LayerState, ModelSpec
 from icecache.kv.attention import attend
 from icecache.kv.timing import PhaseTimer
-
-from conftest import assert_matches_full, build_tiny, generate_reference, generate_with
 
 
 @pytest.mark.parametrize("method,budget", [("full", None), ("streaming_llm", 1024), ("streaming_llm", 56)])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny, generate_with
 
 import icecache.offload as offload
-from conftest import build_tiny, generate_with
-from icecache.kv import make_cache
+from evals.registry import make_cache
 from icecache.kv.method import append_to_buffer, grown_capacity
 from icecache.offload import HostKV, OffloadStore
 
@@ -276,8 +276,8 @@ def test_prefill_buffers_are_sized_to_the_prompt():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA peak-memory statistics")
 def test_peak_memory_is_per_generation_on_cuda():  # pragma: no cover - GPU machines
+    from evals.registry import make_method
     from evals.runner import generate
-    from icecache.kv import make_method
 
     model = build_tiny("tiny-llama", 2, 4).cuda()
     long = generate(model, None, make_method("full"), list(range(4000)), 4, ignore_eos=True)

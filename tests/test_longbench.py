@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import DATA_DIR, build_byte_tokenizer
+
 from evals import longbench_metrics as m
 from evals.base import DataError
 from evals.longbench import CHINESE_TASKS, ENGLISH_TASKS, LongBench

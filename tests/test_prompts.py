@@ -6,17 +6,16 @@ scripts/data/template.py, IceCache benchmark/passkey_pred.py, mit-han-lab/Quest 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import DATA_DIR
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from evals.configs import compose_config
 from evals.longbench import LongBench
 from evals.passkey import GARBAGE, QUESTION, TASK, Passkey, depth_grid, passkey_correct
 from evals.ruler import Ruler
@@ -107,9 +106,7 @@ def stub_tokenizer(bos: str | None, chat_template: str | None) -> PreTrainedToke
 
 def model_eval_config(model: str, suite: str) -> tuple[dict, dict]:
     """The resolved ``model`` and ``eval`` groups of ``run.py model=<model> eval=<suite>``."""
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("config", overrides=[f"model={model}", f"eval={suite}"]), resolve=True)
+    cfg = compose_config([f"model={model}", f"eval={suite}"])
     opts = {k: v for k, v in cfg["eval"].items() if k != "name"}
     return cfg["model"], opts
 

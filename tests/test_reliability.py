@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from icecache.kv import METHODS, make_cache
-from icecache.models import ModelUnavailableError, load_model
-
 from conftest import build_tiny
+
+from evals.registry import METHODS, make_cache
+from icecache.models import ModelUnavailableError, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "run.py", "model=tiny-llama", "cache=streaming_llm", "budget=32", "eval.lengths=[200]",

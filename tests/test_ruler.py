@@ -12,8 +12,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from evals.base import DataError, Sample
-from evals.ruler import (TASKS, TEMPLATES, AdjNounWords, Ruler, _wonderwords, postprocess, string_match_all,
-                         string_match_part)
+from evals.ruler import (
+    TASKS,
+    TEMPLATES,
+    AdjNounWords,
+    Ruler,
+    _wonderwords,
+    postprocess,
+    string_match_all,
+    string_match_part,
+)
 
 needs_data = pytest.mark.skipif(not (DATA_DIR / "pg_essays").is_dir(), reason=f"shared data not at {DATA_DIR}")
 CHAT = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

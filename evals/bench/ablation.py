@@ -33,12 +33,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.harness import REPO_ROOT, resolve_path
+from evals.bench.index import model_spec
+from evals.harness import REPO_ROOT, repo_path
 from evals.passkey import Passkey
+from evals.registry import make_cache, make_method
 from evals.ruler import Ruler
 from evals.runner import generate
-from icecache.bench.index import model_spec
-from icecache.kv import KVMethod, compat, make_cache, make_method
+from icecache.kv import KVMethod, compat
 from icecache.models import load_model, load_tokenizer
 
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue")
@@ -137,7 +138,7 @@ def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
             suite = Passkey(tokenizer, lengths=args.lengths, depths=args.depths, seed=seed, max_length=8192)
             out += [(f"passkey/s{seed}", suite, s) for s in suite.samples()]
         if "ruler" in args.suites:
-            suite = Ruler(tokenizer, data_dir=resolve_path(args.data_dir), lengths=[args.ruler_length],
+            suite = Ruler(tokenizer, data_dir=repo_path(args.data_dir), lengths=[args.ruler_length],
                           num_samples=args.ruler_samples, tasks=list(args.ruler_tasks), seed=seed, max_length=8192)
             out += [(f"ruler/s{seed}", suite, s) for s in suite.samples()]
     return out
@@ -206,7 +207,7 @@ def table(*paths: Path) -> pd.DataFrame:
 
 
 def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
-    """Attention-mass recall of each cell on captured keys (``python -m icecache.bench.capture``): for every
+    """Attention-mass recall of each cell on captured keys (``python -m evals.bench.capture``): for every
     captured budgeted layer, decode query and query head, the share of the exact (fp64) softmax attention
     over the prompt that falls on the positions the method attends, found by the method's own code
     (``finish_prefill`` on the prompt keys, then ``select`` + ``fetch`` per step and
@@ -277,7 +278,7 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", default=os.environ.get("ICECACHE_DATA_DIR", "../shared/data"))
     p.add_argument("--out", default=str(REPO_ROOT / "results" / "ablation" / "ablation.jsonl"))
     p.add_argument("--table", nargs="*", default=None, help="only print the table of these files (default --out)")
-    p.add_argument("--recall", default=None, help="a capture file (icecache.bench.capture): print the attention-mass "
+    p.add_argument("--recall", default=None, help="a capture file (evals.bench.capture): print the attention-mass "
                    "recall of every configuration on its keys instead of running the suites")
     args = p.parse_args(argv)
     if args.recall:

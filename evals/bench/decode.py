@@ -43,10 +43,9 @@ import torch
 
 from evals.harness import REPO_ROOT, environment
 from evals.latency import Latency
+from evals.registry import METHODS, make_method
 from evals.runner import generate
 from icecache.hardware import cpu_info
-from icecache.kv import make_method
-from icecache.kv.registry import METHODS
 from icecache.kv.timing import PHASES
 from icecache.models import load_model, load_tokenizer
 
@@ -220,7 +219,7 @@ def print_summary(results: dict, lo: int, hi: int) -> None:
     lengths = sorted({int(L) for t in table.values() for L in t["tpot_s"]})
     if not lengths:
         return
-    print(f"\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
+    print("\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
     print(f"{'method':>15} " + " ".join(f"{L:>8}" for L in lengths) + f" {'growth':>16}  " +
           " ".join(f"{p:>9}" for p in BREAKDOWN))
     for method, t in table.items():

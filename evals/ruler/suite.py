@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import cached_property
 from importlib.metadata import version
 from typing import Iterator
@@ -36,6 +37,19 @@ def _needed_files(task: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ suite
+@dataclass
+class RulerOptions:
+    """RULER options; in a run, ``model_template`` and ``chat_template_kwargs`` follow the model
+    (``conf/model/<model>.yaml`` ``prompt:``, :attr:`Ruler.model_links`)."""
+
+    lengths: list[int] = field(default_factory=lambda: [4096])  # target tokens per sample, generation included
+    num_samples: int = 25  # per task per length (official: 500); `limit` caps it
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # qa_2 is skipped when HotpotQA is absent
+    model_template: str = "auto"  # a RULER template name, chat (the tokenizer's) or auto (chat if any, else base)
+    chat_template_kwargs: dict | None = None  # for model_template=chat (Qwen3: enable_thinking=false)
+    token_count: str = "official"  # official: counted without special tokens | exact: the ids fed
+
+
 class Ruler(Suite):
     """RULER suite. Options: ``lengths`` (target tokens, ``tokens_to_generate`` included), ``num_samples``
     per task per length (``limit`` caps it), ``tasks`` (default: all 13), ``model_template``: ``auto``
@@ -44,12 +58,15 @@ class Ruler(Suite):
     and ``token_count`` (``official`` | ``exact``).
     Sample ids: ``<task>-<length>-<index>``."""
 
+    Options = RulerOptions
+    model_links = {"model_template": "${model.prompt.ruler}",
+                   "chat_template_kwargs": "${model.prompt.chat_template_kwargs}"}
+
     name = "ruler"
     needs_data = True
 
-    def __init__(self, tokenizer, lengths=(4096,), num_samples: int = 25, tasks=None, model_template: str = "auto",
-                 chat_template_kwargs: dict | None = None, token_count: str = "official", **common):
-        super().__init__(tokenizer, **common)
+    def configure(self, lengths, num_samples, tasks, model_template, chat_template_kwargs, token_count) -> None:
+        tokenizer = self.tokenizer
         self.lengths = [int(n) for n in lengths]
         self.tasks = list(tasks) if tasks else list(TASKS)
         unknown = sorted(set(self.tasks) - set(TASKS))

@@ -1,8 +1,7 @@
-"""The common KV-cache interface: method base class, transformers adapters, timing, registry."""
+"""The common KV-cache interface: method base class, transformers adapters, timing."""
 from .attention import attend, causal_attention
 from .cache import KVCache
-from .method import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-from .registry import METHODS, UnknownNameError, make_cache, make_method, method_class
+from .method import BudgetError, Fetched, KVMethod, LayerState, ModelSpec, UnknownNameError
 
 __all__ = ["attend", "causal_attention", "KVCache", "BudgetError", "Fetched", "KVMethod", "LayerState",
-           "ModelSpec", "METHODS", "UnknownNameError", "make_cache", "make_method", "method_class"]
+           "ModelSpec", "UnknownNameError"]

@@ -68,6 +68,14 @@ class KVCache(compat.Cache):
         self._bind_fresh()
         super().__init__(layers=self.layers)
 
+    @classmethod
+    def for_model(cls, method: KVMethod, model: torch.nn.Module, profile: bool = False) -> "KVCache":
+        """A cache of ``method`` for ``model.generate(..., past_key_values=KVCache.for_model(method, model))``;
+        also switches the model's attention to the cache-aware function (idempotent). One cache serves one
+        sequence (batch size 1): make a new one per prompt."""
+        compat.enable_attention(model)
+        return cls(method, ModelSpec.from_model(model), profile=profile)
+
     def _bind_fresh(self) -> None:
         self.method.bind(self.spec)
         self.states = [self.method.new_state(i) for i in range(self.spec.n_layers)]

@@ -34,6 +34,10 @@ class BudgetError(ValueError):
     """An invalid budget for a method; raised at config time, before any model is loaded."""
 
 
+class UnknownNameError(ValueError):
+    """A model/cache/eval name that is not registered."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a method needs to know about the model (read once from its config)."""
@@ -156,14 +160,26 @@ class KVMethod:
             if self.needs_budget:
                 raise BudgetError(f"{self.name} needs a budget (past tokens per head per budgeted layer), "
                                   f"e.g. budget={self.example_budget}")
-            return
-        if self.budget <= 0:
+        elif self.budget <= 0:
             raise BudgetError(f"{self.name}: budget must be a positive number of tokens, got {self.budget}")
-        self.check_budget()
+        self.validate()
 
     # ------------------------------------------------------------------ configuration
-    def check_budget(self) -> None:
-        """Validates a given budget against the method's hyperparameters (config time). Override."""
+    def validate(self) -> None:
+        """Validates every hyperparameter, and the budget against them (config time; ``budget`` is set unless
+        the method has no budget). Raises :class:`BudgetError` for a budget, ``ValueError`` otherwise."""
+
+    def check_whole(self, *names: str, minimum: int = 0) -> None:
+        """Each named hyperparameter is a whole number ``>= minimum``."""
+        for key in names:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{self.name}: {key} must be a whole number >= {minimum}, got {value!r}")
+
+    def check_choice(self, key: str, valid: tuple) -> None:
+        """The hyperparameter ``key`` is one of ``valid``."""
+        if getattr(self, key) not in valid:
+            raise ValueError(f"{self.name}: {key} must be one of {valid}, got {getattr(self, key)!r}")
 
     def bind(self, spec: ModelSpec) -> None:
         self.spec = spec

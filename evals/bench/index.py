@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m icecache.bench.index [--keys capture.pt] [--out bench_index.json]
+    python -m evals.bench.index [--keys capture.pt] [--out bench_index.json]
 
 ``--keys`` takes a captured file of real post-RoPE keys and decode queries, a ``torch.save``'d dict:
 
@@ -373,7 +373,7 @@ def _ensure_passive_omp(argv) -> None:
     before torch is imported, hence the re-exec."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.execv(sys.executable, [sys.executable, "-m", "icecache.bench.index", *argv])
+        os.execv(sys.executable, [sys.executable, "-m", "evals.bench.index", *argv])
 
 
 def main(argv=None) -> dict:

@@ -2,14 +2,14 @@
 
 Usage::
 
-    python -m icecache.bench.capture --out keys.pt [--data-dir ../shared/data] [--tokens 8000]
+    python -m evals.bench.capture --out keys.pt [--data-dir ../shared/data] [--tokens 8000]
 
 The prompt is ~``--tokens`` tokens of Paul Graham essays (``<data_dir>/pg_essays/PaulGrahamEssays.json``)
 with a pass-key sentence at 40% depth and a question at the end, as in §10. The model
 (``smollm2-135m``, bf16, CPU) runs the prefill and ``--steps`` greedy decode steps with a
 :class:`CaptureCache` (a ``FullCache`` that records the keys of the prompt and the decode queries).
 
-Output (``torch.save``), the format ``icecache.bench.index --keys`` reads:
+Output (``torch.save``), the format ``evals.bench.index --keys`` reads:
 
 - ``"keys"``: per budgeted layer ``[H_kv, n, d]`` bf16 post-RoPE keys of the prompt,
 - ``"queries"``: per budgeted layer ``[steps, H_q, d]`` bf16 post-RoPE decode queries,
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from baselines.full import FullCache
-from icecache.kv import make_cache
+from evals.registry import make_cache
 
 ESSAYS = "pg_essays/PaulGrahamEssays.json"
 N_DENSE_LAYERS = 2  # n_unlimited_layers of IceCache (§1): layers 0, 1 are never budgeted

@@ -1,1 +1,0 @@
-"""Benchmarks (scripts run with python -m icecache.bench.<name>)."""

@@ -1,0 +1,73 @@
+"""Every default is written once: the methods' dataclass fields and the suites' ``Options`` are the run
+config (evals/configs.py); YAML under conf/ holds presets and model settings, never a copy of a default."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evals import configs
+from evals.config_check import ConfigError, check_config
+from evals.registry import METHODS, SUITES, make_method, method_class, suite_class
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_cache_config_is_the_dataclass(name):
+    cache = configs.compose_config([f"cache={name}"])["cache"]
+    assert cache == configs.method_defaults(name)
+    options = {k: v for k, v in cache.items() if k != "name"}
+    cls = method_class(name)
+    budget = None if not cls.needs_budget else 128
+    assert make_method(name, budget=budget, **options) == cls(budget=budget)
+
+
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_eval_config_is_the_options_dataclass(name):
+    cfg = configs.compose_config([f"eval={name}", "model=smollm2-135m"])
+    suite = suite_class(name)
+    expected = {**configs.suite_defaults(name), **{k: _resolve(v, cfg) for k, v in suite.model_links.items()}}
+    assert cfg["eval"] == expected
+    assert set(suite.model_links) <= {f.name for f in dataclasses.fields(suite.Options)}
+
+
+def _resolve(link: str, cfg: dict):
+    value = cfg
+    for key in link.removeprefix("${").removesuffix("}").split("."):
+        value = value[key]
+    return value
+
+
+def test_no_default_is_written_twice():
+    """No method YAML exists (the cache group is generated); an eval preset writes only overrides of its
+    suite's defaults; and no YAML value repeats the Python default it would override."""
+    assert not (CONF / "cache").exists()
+    generated = set(SUITES)
+    for path in sorted((CONF / "eval").glob("*.yaml")):
+        assert path.stem not in generated, f"{path} shadows the generated eval/{path.stem}"
+        preset = yaml.safe_load(path.read_text())
+        parents = [d for d in preset.pop("defaults") if d != "_self_"]
+        assert len(parents) == 1 and parents[0] in SUITES, path
+        defaults = configs.suite_defaults(parents[0])
+        for key, value in preset.items():
+            assert key in defaults, f"{path}: {key} is not an option of {parents[0]}"
+            assert value != defaults[key], f"{path}: {key}={value!r} repeats the default"
+
+
+def test_icecache_reuse_extends_icecache_through_the_defaults_list():
+    node = configs.method_node("icecache_reuse")
+    assert node["defaults"] == ["icecache", "_self_"]
+    assert set(node) == {"defaults", "name", "n_reuse_layers", "rerank"}
+    cfg = configs.compose_config(["cache=icecache_reuse", "cache.page_size=16"])["cache"]
+    assert cfg["page_size"] == 16 and cfg["rerank"] == 3
+
+
+def test_types_are_checked_against_the_python_defaults():
+    cfg = configs.compose_config(["cache=quest", "eval=passkey"])
+    with pytest.raises(ConfigError, match="cache.page_size must be a whole number"):
+        check_config(dict(cfg, cache=dict(cfg["cache"], page_size=1.5)))
+    with pytest.raises(ConfigError, match="eval.max_new_tokens must be a whole number"):
+        check_config(dict(cfg, eval=dict(cfg["eval"], max_new_tokens="ten")))
