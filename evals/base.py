@@ -55,6 +55,7 @@ class Suite:
     checks. ``__init__`` must not load anything heavy beyond checking the data."""
 
     name: ClassVar[str] = ""
+    version: ClassVar[int] = 1  # written to metrics.json; bump when the suite's samples or scoring change
     needs_data: ClassVar[bool] = False
     Options: ClassVar[type] = NoOptions
     # run-config values of options that follow the model group (``${model.prompt...}`` interpolations)

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import resource
 import socket
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -20,13 +17,14 @@ import torch
 import yaml
 
 from icecache.kv import BudgetError, KVMethod, UnknownNameError
-from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_dtype
+from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry
 
 from . import results, wandb_log
 from .base import DataError, resolve_budget
 from .config_check import ConfigError, check_config, check_results_dir
 from .registry import make_method, suite_class
 from .runner import generate
+from .timing import peak_memory_bytes, pool_timing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,8 +152,8 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
     with wandb_log.session(cfg, p.run_dir) as wb:
         if todo or not _up_to_date(p.run_dir, run.rows):
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
-            results.write_json(p.run_dir / "metrics.json", suite.aggregate(run.rows))
-            results.write_json(p.run_dir / "timing.json", summarize_timing(run.rows, cfg))
+            results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
+            results.write_json(p.run_dir / "timing.json", pool_timing(run.rows, cfg))
         if len(run.rows) > len(samples):
             print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
                   f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
@@ -242,68 +240,3 @@ def _log_lines(items, label, every_s: float = 60.0):
             eta = (now - start) / (done + 1) * (len(items) - done - 1)
             print(f"[{label}] {done + 1}/{len(items)} samples, ETA {eta / 60:.1f} min", file=sys.stderr, flush=True)
             last = now
-
-
-def summarize_timing(rows: list[dict], cfg: dict) -> dict:
-    """Pools per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3, breakdown per output token.
-    Peak memory is the maximum over every process that wrote rows (each row records its process's peak)."""
-    timings = [r["timing"] for r in rows if r.get("timing")]
-    intervals = [x for t in timings for x in t["intervals_s"]]
-    n_tok = len(intervals)
-    breakdown: dict[str, float] = {}
-    for t in timings:
-        for phase, sec in t["breakdown_s"].items():
-            breakdown[phase] = breakdown.get(phase, 0.0) + sec
-    layers = [t["effective_tokens"] for t in timings if t.get("effective_tokens")]
-    effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
-                 for i in range(len(layers[0]))] if layers else []
-    tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
-    segments: dict[str, int] = {}
-    for t in timings:
-        if t.get("peak_memory_bytes"):
-            key = t.get("segment")
-            segments[key] = max(segments.get(key, 0), t["peak_memory_bytes"])
-    return {
-        "n_samples": len(timings),
-        "ttft_s": statistics.fmean([t["ttft_s"] for t in timings]) if timings else None,
-        "tt2t_s": statistics.fmean(tt2t) if tt2t else None,
-        "tpot_s": statistics.fmean(intervals) if intervals else None,
-        "tpot_p50_s": statistics.median(intervals) if intervals else None,
-        "tpot_p90_s": statistics.quantiles(intervals, n=10)[-1] if n_tok >= 2 else None,
-        "breakdown": {k: v / n_tok for k, v in breakdown.items()} if n_tok else {},
-        "effective_tokens_per_layer": effective,
-        "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
-        "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
-        "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
-        "n_process_segments": len(segments),
-        "environment": run_environment(cfg),
-    }
-
-
-def peak_memory_bytes() -> int:
-    """CUDA max allocated when on a GPU, else the process's peak resident set size."""
-    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def environment(model) -> dict:
-    """Where a loaded model runs: its device and dtype, library versions and the machine."""
-    param = next(model.parameters())
-    return {**_machine(), "device": str(param.device), "dtype": str(param.dtype),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def _machine() -> dict:
-    import transformers
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count()}
-
-
-def run_environment(cfg: dict) -> dict:
-    """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
-    library versions and the machine."""
-    device = cfg["device"]
-    return {**_machine(), "device": device, "dtype": str(resolve_dtype(cfg["model"].get("dtype", "auto"), device)),
-            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}

@@ -1,4 +1,4 @@
-"""Latency: a context-length sweep with a fixed number of generated tokens (reference/evals.md §6).
+"""Latency: a context-length sweep with a fixed number of generated tokens (PQCache's timing definitions).
 
 One prompt per (length, repeat), cut from natural text (Paul Graham essays in ``data_dir`` when present,
 else the passkey filler) to exactly ``length`` tokens; ``new_tokens`` tokens are generated greedily with
@@ -15,6 +15,7 @@ from typing import Iterator
 
 from .base import DataError, Sample, Suite
 from .passkey import GARBAGE
+from .timing import tpot_stats
 
 
 @dataclass
@@ -72,7 +73,6 @@ class Latency(Suite):
                     phases[p] = phases.get(p, 0.0) + sec / max(len(intervals), 1)
             lengths[str(length)] = {"tt2t_s": statistics.fmean(t["tt2t_s"] for t in timings),
                                     "ttft_s": statistics.fmean(t["ttft_s"] for t in timings),
-                                    "tpot_s": statistics.fmean(intervals), "tpot_p50_s": statistics.median(intervals),
-                                    "breakdown": phases}
+                                    **tpot_stats(intervals), "breakdown": phases}
         score = statistics.fmean(v["tpot_s"] for v in lengths.values()) * 1000 if lengths else None
         return {"score": score, "score_name": "tpot_ms", "lengths": lengths, "n_samples": len(rows)}

@@ -18,7 +18,6 @@ never merges or drops a run. Heat-map cells show the number of samples behind ea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .results import load_predictions  # noqa: E402
+from .schema import read_results  # noqa: E402
 from .summary import write_summary  # noqa: E402
 
 METHOD_COLORS = {"full": "#333333", "streaming_llm": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#8c564b",
@@ -186,7 +186,7 @@ def latency_by_length(frame: pd.DataFrame) -> pd.DataFrame:
     cache, budget, model, length, tt2t_s, ttft_s, tpot_s and breakdown/<phase>."""
     rows = []
     for _, run in frame.iterrows():
-        metrics = json.loads((Path(run["run_dir"]) / "metrics.json").read_text())
+        metrics, _ = read_results(Path(run["run_dir"]))
         for length, at in metrics.get("lengths", {}).items():
             rows.append({"cache": run["cache"], "budget": run["budget"], "model": run["model"], "length": int(length),
                          "variant": _variant(run), "run_dir": run["run_dir"],

@@ -1,13 +1,13 @@
 """Human-readable output of a run directory."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .schema import read_results
 
 
 def print_run(run_dir: Path) -> None:
-    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
-    timing = json.loads((Path(run_dir) / "timing.json").read_text())
+    metrics, timing = read_results(run_dir)
     ms = lambda s: "-" if s is None else f"{1000 * s:.1f} ms"  # noqa: E731
     score = metrics.get("score")
     print(f"{metrics.get('score_name', 'score')} {'-' if score is None else f'{score:.1f}'} "

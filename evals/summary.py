@@ -21,15 +21,9 @@ import pandas as pd
 import yaml
 
 from .results import NON_SEMANTIC, canonical
+from .schema import read_results, score_columns, timing_columns
 
 KEYS = ("eval", "model", "cache")  # with budget: the named axes of every figure
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def read_config(run_dir: Path) -> dict | None:
@@ -62,21 +56,11 @@ def settings(cfg: dict) -> dict:
 def run_row(run_dir: Path, cfg: dict) -> dict:
     row = {**{k: cfg.get(k, {}).get("name") for k in KEYS},
            "budget": canonical(cfg.get("budget")), "seed": cfg.get("seed"), "run_dir": str(run_dir)}
-    metrics, timing = _read_json(run_dir / "metrics.json"), _read_json(run_dir / "timing.json")
+    metrics, timing = read_results(run_dir)
     if metrics is None or timing is None:
         return {**row, "status": "incomplete"}
-    score_name = metrics.get("score_name", "score")
-    row.update({"status": "complete", "score": metrics.get("score") if score_name == "score" else None,
-                "n_samples": metrics.get("n_samples")})
-    if score_name != "score":
-        row[score_name] = metrics.get("score")
-    row.update({f"task/{t}": v for t, v in metrics.get("tasks", {}).items()})
-    for key in ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens"):
-        row[key] = timing.get(key)
-    row.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
-    effective = [v for v in timing.get("effective_tokens_per_layer", []) if v is not None]
-    row["effective_tokens_mean"] = sum(effective) / len(effective) if effective else None
-    return row
+    row.update({"status": "complete", **score_columns(metrics), "n_samples": metrics.get("n_samples")})
+    return {**row, **timing_columns(timing)}
 
 
 def _varying(configs: list[dict], prefix_filter) -> set[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from .results import load_predictions
+from .schema import TIMING_SCALARS, read_results
 
 # Config keys that describe where or how a run was executed, not what it computed.
 NOT_LOGGED = ("wandb", "hydra")
@@ -54,7 +55,7 @@ def scalars(metrics: dict, timing: dict) -> dict:
     latency suite length/<L>/<key>."""
     out = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     out.update({f"task/{t}": v for t, v in metrics.get("tasks", {}).items()})
-    for key in ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "max_resident_tokens", "peak_memory_bytes"):
+    for key in TIMING_SCALARS:
         if timing.get(key) is not None:
             out[key] = timing[key]
     out.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
@@ -119,8 +120,7 @@ def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
     import wandb
 
     run_dir = Path(run_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    timing = json.loads((run_dir / "timing.json").read_text())
+    metrics, timing = read_results(run_dir)
     layers = wandb.Table(columns=["layer", "effective_tokens"],
                          data=[[i, v] for i, v in enumerate(timing.get("effective_tokens_per_layer", []))])
     phases = wandb.Table(columns=["phase", "seconds_per_token"],

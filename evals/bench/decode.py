@@ -41,10 +41,11 @@ from pathlib import Path
 
 import torch
 
-from evals.harness import REPO_ROOT, environment
+from evals.harness import REPO_ROOT
 from evals.latency import Latency
 from evals.registry import METHODS, make_method
 from evals.runner import generate
+from evals.timing import environment
 from icecache.hardware import cpu_info
 from icecache.kv.timing import PHASES
 from icecache.models import load_model, load_tokenizer

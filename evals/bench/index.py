@@ -44,7 +44,10 @@ import numpy as np
 import torch
 
 from baselines.omnikv import OmniKV, select_tokens
+from baselines.common import sinks_and_recent
 from baselines.pqcache import PQCache
+from baselines.quest import page_min_max, page_upper_bounds
+from baselines.streaming_llm import StreamingLLM
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.kv import ModelSpec
 
@@ -232,19 +235,16 @@ def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, ind
     tok_mask.scatter_(1, mid, True)
     masks["oracle_tokens"] = base | tok_mask
 
-    kf = keys.float()[:, order.clamp_min(0)]  # [H, P, S, d]
-    valid = (order >= 0)[None, :, :, None]
-    kmin = torch.where(valid, kf, float("inf")).amin(2)
-    kmax = torch.where(valid, kf, float("-inf")).amax(2)
-    qf = q.float().view(heads, group, 1, -1)
-    bound = torch.maximum(qf * kmin[:, None], qf * kmax[:, None]).sum(-1)  # [H, r, P]
-    quest = merge_gqa(bound.topk(min(k, len(order)), -1).indices.view(heads * group, -1), group, k)
+    # Quest's own page bounds (baselines/quest.py) over the token-order pages between sink and window, per
+    # query head, then GQA-merged to K pages per KV head as IceCache merges
+    kmin, kmax = page_min_max(keys[:, lo:hi], PAGE)
+    bounds = page_upper_bounds(q, kmin, kmax)  # [H_q, P]
+    quest = merge_gqa(bounds.topk(min(k, len(order)), -1).indices, group, k)
     masks["quest"] = base | _mask_from_pages(n, heads, quest, order)
 
-    budget = (n_s + n_w + k) * PAGE
+    streaming = StreamingLLM(budget=(n_s + n_w + k) * PAGE)  # its own sinks + recent window
     stream = torch.zeros(heads, n, dtype=torch.bool)
-    stream[:, :4] = True
-    stream[:, n - (budget - 4):] = True
+    stream[:, sinks_and_recent(n, streaming.n_sink, streaming.budget - streaming.n_sink)] = True
     masks["streaming_llm"] = stream
     return masks
 

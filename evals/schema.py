@@ -1,0 +1,75 @@
+"""The results schema: what a run directory's ``metrics.json`` and ``timing.json`` hold, and the one reader
+that the summary table, the plots, W&B and the report use (as lm-evaluation-harness'
+``lm_eval/api/result_schema.py`` does for its results file).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TypedDict
+
+
+class Metrics(TypedDict, total=False):
+    """``metrics.json``: :meth:`evals.base.Suite.aggregate` of the rows, plus the suite's version."""
+
+    score: float | None  # the headline, 0-100 (or the number named by score_name)
+    score_name: str  # absent: "score"; the latency suite's headline is "tpot_ms"
+    tasks: dict[str, float]  # per-task scores, 0-100
+    n_samples: int
+    version: int  # Suite.version when the run was written (absent in runs written before it existed)
+    # suite-specific extras: groups (RULER), lengths (RULER, latency), skipped (RULER), ...
+
+
+class Timing(TypedDict):
+    """``timing.json``: the samples' timings pooled by :func:`evals.timing.pool_timing`."""
+
+    n_samples: int
+    ttft_s: float | None  # mean over samples
+    tt2t_s: float | None  # mean over samples
+    tpot_s: float | None  # mean per-token interval over tokens 3..N of every sample
+    tpot_p50_s: float | None  # median of the same intervals
+    tpot_p90_s: float | None  # 90th percentile of the same intervals
+    breakdown: dict[str, float]  # seconds per output token per phase (select, transfer, attention, update, other)
+    effective_tokens_per_layer: list[float | None]  # mean past tokens attended per head, per layer
+    max_resident_tokens: int
+    transfer_bytes_per_token: float | None
+    peak_memory_bytes: int | None
+    n_process_segments: int
+    environment: dict  # device, dtype, library versions, machine
+
+
+# the timing numbers every consumer shows next to the score
+TIMING_SCALARS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_results(run_dir: Path) -> tuple[Metrics | None, Timing | None]:
+    """A run directory's metrics and timing; ``None`` for a file that is missing or unreadable (a run still
+    being written)."""
+    run_dir = Path(run_dir)
+    return _read_json(run_dir / "metrics.json"), _read_json(run_dir / "timing.json")
+
+
+def score_columns(metrics: Metrics) -> dict:
+    """``score`` (None when the headline is not a quality number) or ``<score_name>``, and ``task/<name>``."""
+    name = metrics.get("score_name", "score")
+    out = {"score": metrics.get("score") if name == "score" else None}
+    if name != "score":
+        out[name] = metrics.get("score")
+    out.update({f"task/{t}": v for t, v in metrics.get("tasks", {}).items()})
+    return out
+
+
+def timing_columns(timing: Timing) -> dict:
+    """:data:`TIMING_SCALARS`, ``breakdown/<phase>`` and the mean effective tokens over layers."""
+    out = {key: timing.get(key) for key in TIMING_SCALARS}
+    out.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
+    effective = [v for v in timing.get("effective_tokens_per_layer", []) if v is not None]
+    out["effective_tokens_mean"] = sum(effective) / len(effective) if effective else None
+    return out

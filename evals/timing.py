@@ -1,0 +1,91 @@
+"""Timing of a run: the per-sample timings of ``predictions.jsonl`` pooled into ``timing.json``
+(:class:`evals.schema.Timing`), and where the run executed.
+
+TPOT is one statistic everywhere: ``tpot_s`` is the *mean* per-token interval over tokens 3..N (PQCache's
+definition, :mod:`evals.runner`), ``tpot_p50_s`` the median and ``tpot_p90_s`` the 90th percentile
+(:func:`tpot_stats`, used by timing.json, the latency suite and the decode benchmark alike).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+
+import torch
+
+from icecache.models import resolve_dtype
+
+from .schema import Timing
+
+
+def tpot_stats(intervals: list[float]) -> dict:
+    """``{"tpot_s": mean, "tpot_p50_s": median, "tpot_p90_s": 90th percentile}`` of per-token intervals
+    (None where there are too few)."""
+    return {"tpot_s": statistics.fmean(intervals) if intervals else None,
+            "tpot_p50_s": statistics.median(intervals) if intervals else None,
+            "tpot_p90_s": statistics.quantiles(intervals, n=10)[-1] if len(intervals) >= 2 else None}
+
+
+def pool_timing(rows: list[dict], cfg: dict) -> Timing:
+    """``timing.json`` from the rows' per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3 of all
+    samples (:func:`tpot_stats`), breakdown per output token. Peak memory is the maximum over every process
+    that wrote rows (each row records its process's peak)."""
+    timings = [r["timing"] for r in rows if r.get("timing")]
+    intervals = [x for t in timings for x in t["intervals_s"]]
+    n_tok = len(intervals)
+    breakdown: dict[str, float] = {}
+    for t in timings:
+        for phase, sec in t["breakdown_s"].items():
+            breakdown[phase] = breakdown.get(phase, 0.0) + sec
+    layers = [t["effective_tokens"] for t in timings if t.get("effective_tokens")]
+    effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
+                 for i in range(len(layers[0]))] if layers else []
+    tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
+    segments: dict[str, int] = {}
+    for t in timings:
+        if t.get("peak_memory_bytes"):
+            key = t.get("segment")
+            segments[key] = max(segments.get(key, 0), t["peak_memory_bytes"])
+    return {
+        "n_samples": len(timings),
+        "ttft_s": statistics.fmean([t["ttft_s"] for t in timings]) if timings else None,
+        "tt2t_s": statistics.fmean(tt2t) if tt2t else None,
+        **tpot_stats(intervals),
+        "breakdown": {k: v / n_tok for k, v in breakdown.items()} if n_tok else {},
+        "effective_tokens_per_layer": effective,
+        "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
+        "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
+        "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
+        "n_process_segments": len(segments),
+        "environment": run_environment(cfg),
+    }
+
+
+def peak_memory_bytes() -> int:
+    """CUDA max allocated when on a GPU, else the process's peak resident set size."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def environment(model) -> dict:
+    """Where a loaded model runs: its device and dtype, library versions and the machine."""
+    param = next(model.parameters())
+    return {**_machine(), "device": str(param.device), "dtype": str(param.dtype),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def _machine() -> dict:
+    import transformers
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count()}
+
+
+def run_environment(cfg: dict) -> dict:
+    """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
+    library versions and the machine."""
+    device = cfg["device"]
+    return {**_machine(), "device": device, "dtype": str(resolve_dtype(cfg["model"].get("dtype", "auto"), device)),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}
