@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 export HF_HUB_DISABLE_TELEMETRY = 1
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup lint test test-fast demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,10 +19,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "from icecache.models import smollm2_checkpoint; print('model:', smollm2_checkpoint())"
 	touch $@
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -m "not slow"
 
 demo: setup

@@ -1,5 +1,6 @@
 """H2O — Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
-Large Language Models", NeurIPS 2023); reference/baselines.md §1.1 and §1.8.
+Large Language Models", NeurIPS 2023); official code ``FMInference/H2O``,
+``h2o_hf/utils_real_drop/modify_llama.py`` (``H2OKVCache_LayerWise``). Budget: docs/architecture.md.
 
 Each KV head keeps ``budget - heavy`` recent tokens and the ``heavy = heavy_ratio * budget`` other tokens
 with the largest accumulated attention ``S_j = sum over queries and heads of softmax probabilities``

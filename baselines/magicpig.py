@@ -1,7 +1,7 @@
 """MagicPIG (Chen et al., "MagicPIG: LSH Sampling for Efficient LLM Generation", ICLR 2025; official
 code ``Infini-AI-Lab/MagicPIG`` v0.2, ``models/attnserver.py`` + ``library/lsh``).
 
-Reference: reference/baselines.md §1.5 and the budget mapping of §1.8.
+Budget mapping: docs/architecture.md.
 
 * Dense layers (official ``[0, 16]`` for 32 layers, scaled to depth: ``0`` and ``n_layers // 2``,
   i.e. 0 and 15 for SmolLM2's 30 layers) keep and attend everything.
@@ -18,7 +18,7 @@ Reference: reference/baselines.md §1.5 and the budget mapping of §1.8.
   attention ``softmax(q.k_j / sqrt(d) - log w_j)`` over ``S_h``, computed where the store lives (the
   official CPU part), and merged with the exact part by log-sum-exp.
 
-Budget ``B`` (§1.8) = exact part + expected sample size: ``local = min(local_window, (B - n_sink) // 2)``
+Budget ``B`` = exact part + expected sample size: ``local = min(local_window, (B - n_sink) // 2)``
 and, with ``calibrate=True``, each sparse layer picks the smallest ``K`` in ``[0, max_bits]`` whose
 expected sample size for the last prompt query (mean over heads of ``sum_j w_j``) is at most
 ``B - n_sink - local`` (the reference calibrates ``(K, L)`` on a dev set; we calibrate ``K`` per layer
@@ -143,7 +143,6 @@ class PigState(LayerState):
         self.order: torch.Tensor | None = None
         self.n_bits = 0
         self.calib_q: torch.Tensor | None = None
-        self.bytes_moved = 0
 
 
 @dataclass
@@ -151,7 +150,7 @@ class MagicPIG(KVMethod):
     """LSH (SimHash) sampling of the offloaded keys + exact sinks/local/generated, merged by LSE.
 
     Args:
-        budget: exact part (sinks + local) + expected sample size per head per sparse layer (§1.8).
+        budget: exact part (sinks + local) + expected sample size per head per sparse layer.
         n_bits: ``K``, sign bits per table (official 10); used as is when ``calibrate=False``.
         n_tables: ``L``, number of tables (official 150 in bench, 170 in generation).
         min_collisions: tables a key must share with the query to be sampled (official 2).

@@ -1,7 +1,7 @@
 """OmniKV (Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs", ICLR 2025;
 official code ``antgroup/OmniKV``, ``modeling/omnikv.py`` + ``modeling/spec_cache.py``).
 
-Reference: reference/baselines.md §1.4 and the budget mapping of §1.8.
+Budget mapping: docs/architecture.md.
 
 Layer roles (``OmniKVMultiStageCache``): layers before the first filter layer are dense; each filter
 layer ``f`` and the ``wait_layers`` layers after it are dense (the official "wait" layers hide the
@@ -78,7 +78,6 @@ class OmniState(LayerState):
         self.part_k: torch.Tensor | None = None
         self.part_v: torch.Tensor | None = None
         self.selected: torch.Tensor | None = None
-        self.bytes_moved = 0
 
 
 @dataclass

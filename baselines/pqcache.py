@@ -1,7 +1,7 @@
 """PQCache (Zhang et al., "PQCache: Product Quantization-based KVCache for Long Context LLM Inference",
 SIGMOD 2025; official code ``HugoZHL/PQCache``, ``vq_method/retrieval_based/pq_search.py``).
 
-Reference: reference/baselines.md §1.3 and the budget mapping of §1.8.
+Budget mapping: docs/architecture.md.
 
 * Prefill: exact causal attention; every key/value is copied to a separate offload store (pinned host
   memory on CUDA). For each KV head, the non-sink keys are split into ``n_subvec`` sub-vectors and
@@ -20,7 +20,7 @@ Reference: reference/baselines.md §1.3 and the budget mapping of §1.8.
 * A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
 
 Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k`` (official ratios: recent_ratio 0.5 of
-what remains after the sinks; §1.8 recommends 4 sinks and (B-4)/2 + (B-4)/2).
+what remains after the sinks; this harness uses 4 sinks and (B-4)/2 + (B-4)/2, docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -101,7 +101,6 @@ class PQState(LayerState):
         self.store: HostKV | None = None
         self.centroids: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
-        self.bytes_moved = 0
 
 
 @dataclass
@@ -110,7 +109,7 @@ class PQCache(KVMethod):
 
     Args:
         budget: past tokens attended per head per step = n_sink + recent + top-k.
-        n_sink: initial tokens always attended (official CLI default 2, script 32; §1.8: 4).
+        n_sink: initial tokens always attended (official CLI default 2, script 32; here 4, as StreamingLLM).
         n_subvec: sub-vectors per key, ``m`` (official ``SUBVEC`` = 2; one of 1, 2, 4, 8, 16).
         n_bits: bits per sub-vector code, ``2**n_bits`` centroids (official ``SUBBITS`` = 6 -> 64).
         kmeans_iters: bound on Lloyd iterations (official adaptive bound is clamped to [3, 10]).

@@ -1,5 +1,5 @@
 """Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024);
-reference/baselines.md §1.7 and §1.8.
+official code ``mit-han-lab/Quest``, ``evaluation/quest_attention.py``. Budget: docs/architecture.md.
 
 The KV cache is cut into pages of ``page_size`` tokens in token order. Per page and KV head the
 metadata is the element-wise minimum ``m_P`` and maximum ``M_P`` of its keys; at each decode step the

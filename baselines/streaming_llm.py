@@ -1,7 +1,8 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024).
 
 Kept set = the first ``n_sink`` tokens (attention sinks) and the most recent ``budget - n_sink``
-tokens; everything in between is dropped for good (reference/baselines.md §1.2). Prefill is exact full
+tokens; everything in between is dropped for good (official ``mit-han-lab/streaming-llm``,
+``streaming_llm/kv_cache.py`` ``StartRecentKVCache``). Prefill is exact full
 attention, then the cache is cut to the kept set; each decode step appends the new token, attends over
 the kept set, and evicts the oldest non-sink token.
 

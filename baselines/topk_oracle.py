@@ -1,5 +1,5 @@
 """TOP-k oracle: exact top-``budget`` past tokens by ``q . k`` at every step (the upper bound the IceCache
-paper reports as "TOP-k"; reference/baselines.md §5.4 "oracle top-k" and §1.8).
+paper reports as "TOP-k"; budget: docs/architecture.md).
 
 At each decode step every head scores all past keys exactly and attends to its ``budget`` best ones plus
 the current token; nothing is approximated, evicted or offloaded (every key stays resident, so the

@@ -100,10 +100,10 @@ class Suite:
         """The path of a data file under ``data_dir``, or a :class:`DataError` saying where to get it."""
         if self.data_dir is None or not self.data_dir.is_dir():
             raise DataError(f"eval '{self.name}' needs data_dir (got {self.data_dir}); pass data_dir=/path "
-                            f"to the data folder (see ../shared/data/README.md)")
+                            f"to the data folder (see docs/data.md)")
         path = self.data_dir / relative
         if not path.exists():
-            raise DataError(f"eval '{self.name}': {path} not found; see ../shared/data/README.md for how to get it")
+            raise DataError(f"eval '{self.name}': {path} not found; see docs/data.md for how to get it")
         return path
 
 

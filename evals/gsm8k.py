@@ -1,7 +1,7 @@
 """GSM8K chain-of-thought (Cobbe et al., 2021, test set of 1,319 problems) under two protocols
-(reference/evals.md §3); the score is exact-match accuracy, 0-100.
+; the score is exact-match accuracy, 0-100.
 
-``protocol: pqcache`` (default; evals.md §3.2, icecache.md §6.3): PQCache's ``GSM8k/evaluation_gsm8k.py``,
+``protocol: pqcache`` (default): PQCache's ``GSM8k/evaluation_gsm8k.py``,
 which IceCache's ``gsm8k_pred.py`` derives from. Prompt = the 10-exemplar CoT file
 ``<data_dir>/gsm8k/cot_prompt_10shot.txt`` (exemplars ``Question: ...\\nLet's think step by step\\n...The
 answer is N``) + ``"\\nQuestion: " + question + "\\n"``, no chat template, tokenized with special tokens.
@@ -9,7 +9,7 @@ Greedy, 256 new tokens, no stop strings (it runs to 256 or EOS, which matters fo
 cut the generation at the first ``"\\nQuestion: "``, drop commas, and compare the last ``\\d*\\.?\\d+``
 of the prediction and of the gold answer as floats (signs are ignored by that regex; no number = wrong).
 
-``protocol: lm_eval`` (evals.md §3.3): lm-evaluation-harness ``gsm8k_cot``, 8 fixed exemplars rendered
+``protocol: lm_eval``: lm-evaluation-harness ``lm_eval/tasks/gsm8k/gsm8k-cot.yaml`` (``gsm8k_cot``), 8 fixed exemplars rendered
 ``"Q: {question}\\nA: {target}"`` joined by blank lines, then ``"Q: {question}\\nA:"``; stop at ``Q:``,
 ``</s>`` or ``<|im_end|>``; 256 new tokens. ``strict_match`` takes the first ``The answer is (...)``,
 ``flexible_extract`` the last number-like match; both are compared after lm-eval's ``exact_match``

@@ -80,7 +80,7 @@ def plan(cfg: dict) -> Plan:
     data_dir = repo_path(cfg.get("data_dir"))
     if getattr(suite_cls, "needs_data", False) and (data_dir is None or not data_dir.is_dir()):
         raise FileNotFoundError(f"eval '{cfg['eval']['name']}' needs its data, but data_dir={data_dir} is not a "
-                                "directory; pass data_dir=/path/to/data (see ../shared/data/README.md)")
+                                "directory; pass data_dir=/path/to/data (see docs/data.md)")
     results_dir = repo_path(cfg.get("results_dir") or "results")
     check_results_dir(results_dir)
     cfg = dict(cfg, results_dir=str(results_dir), data_dir=None if data_dir is None else str(data_dir))

@@ -1,9 +1,8 @@
 """LongBench v1 (Bai et al., "LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding",
-arXiv 2308.14508) with the official protocol of THUDM/LongBench ``pred.py`` / ``eval.py``
-(reference/evals.md §2), on the 16 English tasks that KV-cache papers report (IceCache, PQCache,
-SnapKV, kvpress; evals.md §0) plus, with ``chinese: true``, the 5 Chinese tasks.
+arXiv 2308.14508) with the official protocol of THUDM/LongBench ``pred.py`` / ``eval.py``,
+on the 16 English tasks that KV-cache papers report (IceCache, PQCache, SnapKV, kvpress) plus, with ``chinese: true``, the 5 Chinese tasks.
 
-Per sample (evals.md §2.4):
+Per sample (``pred.py``):
 1. ``prompt = dataset2prompt[task].format(**row)``; templates and generation lengths are read from
    ``<data_dir>/longbench_config/dataset2prompt.json`` and ``dataset2maxlen.json`` (the official files).
 2. Middle truncation: if the prompt tokenizes (special tokens included) to more than ``max_length``
@@ -25,7 +24,7 @@ Per sample (evals.md §2.4):
    Llama-3.1 ``<|end_of_text|>`` and ``<|eom_id|>`` do not end a samsum answer); the other tasks stop at
    every EOS id of the generation config, as ``model.generate`` does.
 
-Scoring (evals.md §2.6, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
+Scoring (``metrics.py`` and ``eval.py``, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
 then the task metric maximised over the reference answers; a task's score is ``round(100 * mean, 2)``
 and ``score`` is the unweighted mean of the English task scores (the papers' "Avg.").
 
@@ -170,7 +169,7 @@ class LongBench(Suite):
 
     # ---------------------------------------------------------------- prompts
     def build_prompt(self, task: str, row: dict) -> tuple[list[int], int]:
-        """Token ids of the final prompt and the token count before truncation (evals.md §2.4)."""
+        """Token ids of the final prompt and the token count before truncation (``pred.py``)."""
         prompt = self.prompts[task].format(**row)
         ids = self.tokenizer(prompt, truncation=False)["input_ids"]
         if len(ids) > self.max_length:

@@ -1,5 +1,5 @@
 """LongBench v1 metrics, computed exactly as the official ``metrics.py`` / ``eval.py`` compute them
-(THUDM/LongBench; reference/evals.md §2.6).
+(THUDM/LongBench ``metrics.py``).
 
 Libraries are the ones the official code uses: ``rouge==1.0.1`` (pltrdy, not Google's rouge-score:
 case-sensitive, sentences split on ".", summary-level union LCS over *distinct* words, any exception

@@ -1,7 +1,6 @@
 """LongGenBench (Wu et al., "LongGenBench: Benchmarking Long-Form Generation in Long Context LLMs",
 arXiv 2409.02076; mozhu621/LongGenBench at ``62c0e86``): the model writes one long structured document
-(a 52-week diary, a 100-floor building, ...) that must mention given events in given units
-(reference/evals.md §5.1).
+(a 52-week diary, a 100-floor building, ...) that must mention given events in given units.
 
 Generation (``Evalution/inference.py``): the item's raw ``prompt`` without a chat template (it ends with
 ``"*** started ***\\n" + prefix``), stop string ``"*** finished"``, at most 16,000 (short) / 32,000 (long)

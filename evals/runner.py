@@ -1,7 +1,7 @@
 """The one place where the model is driven: greedy decoding with explicit cache phases and per-token
 timestamps (nanoGPT/gpt-fast style: the whole loop, top to bottom, in :func:`generate`).
 
-Timing (reference/evals.md §6, PQCache's definitions):
+Timing (PQCache's definitions, the TT2T/TPOT of the IceCache paper):
 - TTFT: request start -> first generated token (prefill, plus any ``decode_ids`` fed through the decode
   path before generation).
 - TT2T: request start -> second generated token. It includes the first decode step that uses the
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icecache.kv import KVCache, KVMethod, ModelSpec, compat
+from icecache.kv import KVCache, KVMethod, compat
 from icecache.kv.timing import PHASES
 
 
@@ -71,8 +71,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     instead of running it -- for ablations that decode one prompt under many configurations; its TTFT then
     excludes the prefill."""
     device = next(model.parameters()).device
-    compat.enable_attention(model)
-    cache = KVCache(method, ModelSpec.from_model(model), profile=profile)
+    cache = KVCache.for_model(method, model, profile=profile)
     kw = compat.cache_kwargs(cache)
     default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
     eos = set(stop_token_ids) | (set() if ignore_eos else default_eos)

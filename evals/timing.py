@@ -39,7 +39,7 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
         for phase, sec in t["breakdown_s"].items():
             breakdown[phase] = breakdown.get(phase, 0.0) + sec
     layers = [t["effective_tokens"] for t in timings if t.get("effective_tokens")]
-    effective = [statistics.fmean(v) if (v := [l[i] for l in layers if l[i] is not None]) else None
+    effective = [statistics.fmean(v) if (v := [per[i] for per in layers if per[i] is not None]) else None
                  for i in range(len(layers[0]))] if layers else []
     tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
     segments: dict[str, int] = {}

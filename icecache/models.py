@@ -29,20 +29,18 @@ class ModelEntry:
     name: str
     source: str  # "smollm2" | "hub" | "tiny"
     repo_id: str = ""
-    max_length: int = 0  # context the model supports (LongBench truncation target)
-    chat: bool = True
+    max_length: int = 0  # a local checkpoint's context (its config.json); registered models: conf/model/*.yaml
 
 
 MODELS: dict[str, ModelEntry] = {
-    "smollm2-135m": ModelEntry("smollm2-135m", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", 8192),
-    "llama-3.1-8b-instruct": ModelEntry("llama-3.1-8b-instruct", "hub", "meta-llama/Llama-3.1-8B-Instruct", 131072),
-    "mistral-7b-instruct-v0.2": ModelEntry("mistral-7b-instruct-v0.2", "hub", "mistralai/Mistral-7B-Instruct-v0.2",
-                                           32768),
-    "longchat-7b-v1.5": ModelEntry("longchat-7b-v1.5", "hub", "lmsys/longchat-7b-v1.5-32k", 32000),
-    "qwen3-4b-instruct-2507": ModelEntry("qwen3-4b-instruct-2507", "hub", "Qwen/Qwen3-4B-Instruct-2507", 32768),
-    "qwen3-32b": ModelEntry("qwen3-32b", "hub", "Qwen/Qwen3-32B", 32768),
-    "tiny-llama": ModelEntry("tiny-llama", "tiny", max_length=4096, chat=False),
-    "tiny-qwen3": ModelEntry("tiny-qwen3", "tiny", max_length=4096, chat=False),
+    "smollm2-135m": ModelEntry("smollm2-135m", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "llama-3.1-8b-instruct": ModelEntry("llama-3.1-8b-instruct", "hub", "meta-llama/Llama-3.1-8B-Instruct"),
+    "mistral-7b-instruct-v0.2": ModelEntry("mistral-7b-instruct-v0.2", "hub", "mistralai/Mistral-7B-Instruct-v0.2"),
+    "longchat-7b-v1.5": ModelEntry("longchat-7b-v1.5", "hub", "lmsys/longchat-7b-v1.5-32k"),
+    "qwen3-4b-instruct-2507": ModelEntry("qwen3-4b-instruct-2507", "hub", "Qwen/Qwen3-4B-Instruct-2507"),
+    "qwen3-32b": ModelEntry("qwen3-32b", "hub", "Qwen/Qwen3-32B"),
+    "tiny-llama": ModelEntry("tiny-llama", "tiny"),
+    "tiny-qwen3": ModelEntry("tiny-qwen3", "tiny"),
 }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny
+from helpers import build_tiny
 
 from evals.bench.ablation import Prefilled, grid, icecache_config
 from evals.registry import make_method

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_matches_full, build_tiny, generate_with
+from helpers import assert_matches_full, build_tiny, generate_with
 
 from baselines.h2o import H2O, aggregate_group, attention_column_sums
 from baselines.snapkv import SnapKV, pool_votes, window_votes

@@ -1,11 +1,11 @@
-"""Retrieval baselines: PQCache, OmniKV, MagicPIG (reference/baselines.md §1.3-1.5, §1.8)."""
+"""Retrieval baselines: PQCache, OmniKV, MagicPIG (baselines/pqcache.py, omnikv.py, magicpig.py)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from conftest import assert_matches_full, build_tiny, generate_with
+from helpers import assert_matches_full, build_tiny, generate_with
 
 from baselines import magicpig as mp
 from baselines import omnikv as okv

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_full, build_tiny, generate_with
+from helpers import assert_matches_full, build_tiny, generate_with
 
 from baselines.quest import Quest, page_min_max, page_upper_bounds
 from baselines.topk_oracle import TopKOracle

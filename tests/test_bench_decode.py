@@ -4,7 +4,7 @@ import json
 import pytest
 
 from evals.bench import decode
-from tests.conftest import DATA_DIR
+from helpers import DATA_DIR
 
 pytestmark = pytest.mark.skipif(not (DATA_DIR / "pg_essays").is_dir(), reason=f"no essays under {DATA_DIR}")
 

@@ -1,5 +1,4 @@
-"""The PQCache and OmniKV selectors of the recall benchmark (evals/bench/index.py; reference/baselines.md
-§1.3, §1.4, §1.8), on small synthetic captures."""
+"""The PQCache and OmniKV selectors of the recall benchmark (evals/bench/index.py), on small synthetic captures."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Tests of the M-DCI index (icecache/dci, spec: reference/icecache.md §2-§4)."""
+"""Tests of the M-DCI index (icecache/dci; the authors' M-DCI)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.levels import assign_levels, level_sizes
-from icecache.dci.transform import (key_key_distance, key_projection, query_projection, transform_keys,
-                                    transform_queries)
+from icecache.dci.transform import (
+    key_key_distance,
+    key_projection,
+    query_projection,
+    transform_keys,
+    transform_queries,
+)
 
 D = 32
 
@@ -178,7 +183,7 @@ def test_single_node_search_visits_chunks_around_the_query(chunk, prop):
     proj = np.concatenate([index.page_proj[0, p, : index.page_valid_np[0, p]] for p in chain])
     tokens = np.concatenate([index.page_abs[0, p, : index.page_valid_np[0, p]] for p in chain])
     ref = key_projection(keys[0, tokens], torch.from_numpy(index.u), index.max_sq_norm[0])
-    assert np.allclose(proj, ref.numpy(), atol=1e-4)  # p(k) of §2, sorted along the chain
+    assert np.allclose(proj, ref.numpy(), atol=1e-4)  # p(k), sorted along the chain
     pages = np.concatenate([np.full(index.page_valid_np[0, p], p) for p in chain])
     gen = torch.Generator().manual_seed(5)
     for _ in range(20):

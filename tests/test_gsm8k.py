@@ -1,15 +1,20 @@
 """GSM8K suite: the PQCache 10-shot prompt and answer extraction, the lm-eval gsm8k_cot protocol
-(strict and flexible match), data errors, limit, and the fractional budget (reference/evals.md §3)."""
+(strict and flexible match), data errors, limit, and the fractional budget."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import DATA_DIR
+from helpers import DATA_DIR
 
-from evals.base import DataError
-from evals.base import resolve_budget
-from evals.gsm8k import GSM8K, LM_EVAL_EXEMPLARS, lm_eval_exact_match, lm_eval_extract, pqcache_correct
+from evals.base import DataError, resolve_budget
+from evals.gsm8k import (
+    GSM8K,
+    LM_EVAL_EXEMPLARS,
+    lm_eval_exact_match,
+    lm_eval_extract,
+    pqcache_correct,
+)
 
 needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(),
                                 reason=f"shared GSM8K data not found at {DATA_DIR}/gsm8k (set ICECACHE_DATA_DIR)")

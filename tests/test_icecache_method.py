@@ -1,4 +1,4 @@
-"""IceCache and IceCache(reuse) (icecache/method.py; spec: reference/icecache.md §1, §4, §5)."""
+"""IceCache and IceCache(reuse) (icecache/method.py; official yuzhenmao/IceCache)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches_full, build_tiny, generate_with
+from helpers import assert_matches_full, build_tiny, generate_with
 
 from evals.configs import compose_config
 from evals.registry import make_method

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, build_tiny
+from helpers import DATA_DIR, build_tiny
 
 from evals import harness, plots, results
 from evals.base import DataError

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_matches_full, build_tiny, generate_reference, generate_with
+from helpers import assert_matches_full, build_tiny, generate_reference, generate_with
 
 from baselines.streaming_llm import StreamingLLM, rotate_by
 from evals.registry import make_cache, make_method

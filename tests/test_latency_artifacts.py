@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny, generate_with
+from helpers import build_tiny, generate_with
 
 import icecache.offload as offload
 from evals.registry import make_cache

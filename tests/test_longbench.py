@@ -1,12 +1,12 @@
 """LongBench suite: official metrics on hand-computed values, prompt building on the real sample rows,
-middle truncation, chat rules, samsum, data errors, subsets and limits (reference/evals.md §2)."""
+middle truncation, chat rules, samsum, data errors, subsets and limits (THUDM/LongBench pred.py, metrics.py)."""
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-from conftest import DATA_DIR, build_byte_tokenizer
+from helpers import DATA_DIR, build_byte_tokenizer
 
 from evals import longbench_metrics as m
 from evals.base import DataError
@@ -118,7 +118,7 @@ def test_prompts_match_the_official_templates_without_truncation(tok):
         assert s.reference["answers"] == row["answers"] and s.meta["data"] == "longbench_sample"
         assert not s.meta["truncated"] and s.decode_ids == [] and s.stop == []
     assert samples["trec"].reference["all_classes"] == rows_of("trec")[0]["all_classes"]
-    assert rows_of("trec")[0]["input"].endswith("Type:")  # evals.md §2.1: the suffix is in the data
+    assert rows_of("trec")[0]["input"].endswith("Type:")  # the suffix is in the data
 
 
 @needs_data

@@ -1,4 +1,4 @@
-"""LongGenBench (Wu et al.) suite (evals/longgenbench.py; reference/evals.md §5.1): parsing, check
+"""LongGenBench (Wu et al.) suite (evals/longgenbench.py; mozhu621/LongGenBench): parsing, check
 extraction, judged scoring with a deterministic fake judge, pooled aggregation."""
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import DATA_DIR
+from helpers import DATA_DIR
 
 from evals.base import DataError, Sample
-from evals.longgenbench import LongGenBench, completion_rate, judge_prompts, parse_blocks
+from evals.longgenbench import (
+    LongGenBench,
+    completion_rate,
+    judge_prompts,
+    parse_blocks,
+)
 from icecache.models import tiny_tokenizer
 
 needs_data = pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")

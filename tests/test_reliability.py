@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny
+from helpers import build_tiny
 
 from evals.registry import METHODS, make_cache
 from icecache.models import ModelUnavailableError, load_model

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import generate_reference, generate_with, natural_prompt_ids
+from helpers import generate_reference, generate_with, natural_prompt_ids
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DATA_DIR
+from helpers import DATA_DIR
 
 from evals.harness import run_eval
 

@@ -1,11 +1,11 @@
-"""Capture real post-RoPE keys and decode queries of SmolLM2 for the index benchmark (icecache.md §10).
+"""Capture real post-RoPE keys and decode queries of SmolLM2 for the index benchmark (docs/benchmarks.md).
 
 Usage::
 
     python -m evals.bench.capture --out keys.pt [--data-dir ../shared/data] [--tokens 8000]
 
 The prompt is ~``--tokens`` tokens of Paul Graham essays (``<data_dir>/pg_essays/PaulGrahamEssays.json``)
-with a pass-key sentence at 40% depth and a question at the end, as in §10. The model
+with a pass-key sentence at 40% depth and a question at the end (docs/benchmarks.md). The model
 (``smollm2-135m``, bf16, CPU) runs the prefill and ``--steps`` greedy decode steps with a
 :class:`CaptureCache` (a ``FullCache`` that records the keys of the prompt and the decode queries).
 
@@ -13,7 +13,7 @@ Output (``torch.save``), the format ``evals.bench.index --keys`` reads:
 
 - ``"keys"``: per budgeted layer ``[H_kv, n, d]`` bf16 post-RoPE keys of the prompt,
 - ``"queries"``: per budgeted layer ``[steps, H_q, d]`` bf16 post-RoPE decode queries,
-- ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, §1),
+- ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, official ``n_unlimited_layers``),
 - ``"meta"``: prompt length, pass key, its token depth, generated text.
 """
 
@@ -32,7 +32,7 @@ from baselines.full import FullCache
 from evals.registry import make_cache
 
 ESSAYS = "pg_essays/PaulGrahamEssays.json"
-N_DENSE_LAYERS = 2  # n_unlimited_layers of IceCache (§1): layers 0, 1 are never budgeted
+N_DENSE_LAYERS = 2  # n_unlimited_layers of IceCache: layers 0, 1 are never budgeted
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 

@@ -15,14 +15,14 @@ Without a file, synthetic clustered keys with temporal locality are used (and th
 
 Times are per layer (``H_kv`` KV heads, ``H_q`` query heads, ``K = 12`` pages), measured side by side
 in one process on ``torch.set_num_threads(2)``; the brute force is the exact top-``16K`` tokens of
-``q.K`` in torch bf16 on the same keys. Recall (icecache.md §10) is the share of the exact fp64
+``q.K`` in torch bf16 on the same keys. Recall (docs/benchmarks.md) is the share of the exact fp64
 softmax attention of a query head that falls on the tokens it may attend to: sink pages, window
 pages and the pages (or tokens) a selector retrieves for its KV head.
 
 Two token-level baselines are measured with their own code (``baselines/``): ``pqcache`` (4 sinks +
-recent window + PQ top-k per KV head, reference/baselines.md §1.3, §1.8) and ``omnikv`` (one head-shared
-top-``B`` set chosen at each filter layer from that layer's attention and reused by the layers after it,
-§1.4, §1.8; ``omnikv_sparse`` is the same over the layers OmniKV actually budgets). H2O and SnapKV are
+recent window + PQ top-k per KV head) and ``omnikv`` (one head-shared
+top-``B`` set chosen at each filter layer from that layer's attention and reused by the layers after it;
+``omnikv_sparse`` is the same over the layers OmniKV actually budgets). H2O and SnapKV are
 not measurable from decode-only captures (their scores need the attention of the prompt's queries),
 nor is MagicPIG (a sampling estimator of the attention, not a token subset).
 """
@@ -52,7 +52,7 @@ from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.kv import ModelSpec
 
 PAGE = 16
-# budget in tokens -> (sink pages, window pages, retrieved pages), icecache.md §10
+# budget in tokens -> (sink pages, window pages, retrieved pages) of the authors' index runs (docs/benchmarks.md)
 BUDGETS = {512: (2, 2, 28), 256: (2, 2, 12), 128: (2, 2, 4), 64: (1, 2, 1)}
 SIZES = (8192, 32768, 131072)
 K_TIMING = 12
@@ -267,7 +267,7 @@ def model_spec(data: dict) -> ModelSpec:
 
 def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget: int,
                   spec: ModelSpec, **options) -> list[torch.Tensor]:
-    """PQCache's attended tokens ``[H_kv, n]`` at each step (reference/baselines.md §1.3, §1.8).
+    """PQCache's attended tokens ``[H_kv, n]`` at each step.
 
     Runs :class:`baselines.pqcache.PQCache` itself: its prefill end (k-means codebooks of every KV
     head on the non-sink prompt keys, seeded per layer) and its decode selection (softmax of the PQ
@@ -290,7 +290,7 @@ def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget:
 
 
 def omnikv_selections(data: dict, budget: int, spec: ModelSpec) -> dict:
-    """OmniKV's selection per captured layer (reference/baselines.md §1.4, §1.8): ``{layer id:
+    """OmniKV's selection per captured layer: ``{layer id:
     (role, sets)}`` with ``sets`` a list over steps of the ``budget`` prompt positions shared by all
     heads, or ``None`` (everything) for the dense layers before the first filter layer.
 

@@ -1,4 +1,5 @@
-"""The two thin adapters into transformers (reference/baselines.md §5.1).
+"""The two thin adapters into transformers (its ``Cache``/``CacheLayerMixin`` of ``cache_utils.py`` and the
+``AttentionInterface`` registry of ``modeling_utils.py``).
 
 :class:`KVCache` is a transformers ``Cache`` holding one :class:`MethodLayer` per decoder layer; it
 reports the logical length (so position ids stay right) and returns the new K/V unchanged from

@@ -2,7 +2,8 @@
 
 transformers 5.4-5.23 call ``past_key_values.update(k, v, layer_idx)`` with no extra arguments, derive
 ``position_ids`` from ``cache.get_seq_length()`` and build masks through ``get_mask_sizes(query_length,
-layer_idx)``; 5.24 renamed the kwarg to ``cache`` (reference/baselines.md §4). The rest of the project
+layer_idx)``; 5.24 renamed the kwarg to ``cache`` (``generation/utils.py`` and ``cache_utils.py`` of the
+wheels). The rest of the project
 only uses the names exported here.
 """
 from __future__ import annotations
@@ -10,20 +11,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 ATTN_IMPLEMENTATION = "kvbench"
 CACHE_KWARG = "past_key_values"
-SUPPORTED = ">=5.4,<5.24"
 
 __all__ = ["ATTN_IMPLEMENTATION", "CACHE_KWARG", "Cache", "CacheLayerMixin", "register_attention",
-           "enable_attention", "cache_kwargs", "transformers_version"]
-
-
-def transformers_version() -> str:
-    return transformers.__version__
+           "enable_attention", "cache_kwargs"]
 
 
 def register_attention(fn: Callable) -> None:

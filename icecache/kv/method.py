@@ -1,4 +1,4 @@
-"""The method abstraction every KV-cache method implements (DESIGN.md "The common interface").
+"""The method abstraction every KV-cache method implements.
 
 A method is a ``@dataclass`` whose fields are its hyperparameters (kvpress style). It never touches
 transformers: it receives plain post-RoPE tensors, batch squeezed — queries ``[H_q, n, d]``, keys and
@@ -13,7 +13,7 @@ Decode: one step per new token, always ``append -> select -> fetch -> attend -> 
 timed by the base class. Eviction methods select "all resident" and evict in ``observe``; retrieval
 methods select from the query and fetch from their offload store.
 
-Budget convention (DESIGN.md): ``budget`` = past tokens each attention head may attend to in a budgeted
+Budget convention (docs/architecture.md): ``budget`` = past tokens each attention head may attend to in a budgeted
 layer at one decode step, sink and recent window included, *not* counting the current token. Layers a
 method exempts are declared by :meth:`KVMethod.is_budgeted`; every step records the effective number
 of past tokens attended per head, per layer.

@@ -1,0 +1,121 @@
+"""Helpers every test module imports (``from helpers import ...``): tiny random models built in-process, the
+full-attention oracle, an in-process byte tokenizer, and :data:`METHOD_CASES`, the one table of per-method
+contract cases (in the spirit of NVIDIA kvpress' ``tests/default_presses.py``)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from evals.registry import make_cache
+from icecache.models import tiny_config
+
+DATA_DIR = Path(os.environ.get("ICECACHE_DATA_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+
+# (name, H_kv, H_q): MQA (H_kv = 1), GQA (1 < H_kv < H_q), MHA (H_kv = H_q, like LongChat), Qwen3 q/k-norm
+TINY_SHAPES = [("tiny-llama", 1, 4), ("tiny-llama", 2, 4), ("tiny-llama", 4, 4), ("tiny-qwen3", 2, 4)]
+
+
+@dataclass(frozen=True)
+class MethodCase:
+    """A method's contract case: with ``covering`` its budget covers a ``prompt_len + new_tokens`` context
+    (it must equal full attention); with ``small`` it must stay within the budget under ``debug=True``;
+    ``invalid`` is one hyperparameter value :meth:`KVMethod.validate` must reject."""
+
+    name: str
+    covering: dict = field(default_factory=dict)  # budget and hyperparameters
+    small: dict = field(default_factory=dict)
+    invalid: dict = field(default_factory=dict)
+    prompt_len: int = 48
+    new_tokens: int = 8
+
+
+# the M-DCI search visits every page, so a covering budget retrieves the whole prompt through the index
+ICECACHE_EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
+
+METHOD_CASES = [
+    MethodCase("full", covering=dict(budget=None)),
+    MethodCase("streaming_llm", covering=dict(budget=56), small=dict(budget=16), invalid=dict(n_sink=-1)),
+    MethodCase("h2o", covering=dict(budget=54), small=dict(budget=16), invalid=dict(chunk_size=0)),
+    MethodCase("snapkv", covering=dict(budget=54), small=dict(budget=40), invalid=dict(kernel_size=4)),
+    MethodCase("quest", covering=dict(budget=64), small=dict(budget=32, n_dense_layers=0),
+               invalid=dict(n_dense_layers=-1)),
+    MethodCase("topk", covering=dict(budget=54), small=dict(budget=16), invalid=dict(heads="all")),
+    MethodCase("pqcache", covering=dict(budget=60), small=dict(budget=24), invalid=dict(n_bits=0)),
+    MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
+               small=dict(budget=16, filter_layers=[1], wait_layers=0), invalid=dict(selector="first")),
+    MethodCase("magicpig", covering=dict(budget=56), small=dict(budget=24), invalid=dict(n_tables=0)),
+    MethodCase("icecache", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
+               invalid=dict(gqa_candidates=-1), prompt_len=200),
+    MethodCase("icecache_reuse", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
+               invalid=dict(n_reuse_layers=0), prompt_len=200),
+]
+
+
+def build_tiny(name: str = "tiny-llama", n_kv_heads: int = 2, n_heads: int = 4, n_layers: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(name, n_kv_heads=n_kv_heads, n_heads=n_heads,
+                                                         n_layers=n_layers), dtype=torch.float32)
+    return model.eval()
+
+
+def generate_reference(model, ids: torch.Tensor, new_tokens: int):
+    """Plain transformers greedy generation with its default cache and sdpa attention."""
+    model.set_attn_implementation("sdpa")
+    return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+
+
+def generate_with(model, ids: torch.Tensor, new_tokens: int, method: str, budget=None, **hp):
+    cache = make_cache(method, model, budget=budget, **hp)
+    try:
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              past_key_values=cache, output_logits=True, return_dict_in_generate=True), cache
+    finally:
+        cache.close()
+
+
+def assert_matches_full(model, method: str, budget=None, prompt_len: int = 48, new_tokens: int = 8,
+                        atol: float = 1e-4, seed: int = 0, **hp):
+    """A method whose budget covers the whole context must equal full attention: same greedy tokens,
+    logits within ``atol``."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    ref = generate_reference(model, ids, new_tokens)
+    out, cache = generate_with(model, ids, new_tokens, method, budget, **hp)
+    assert torch.equal(ref.sequences, out.sequences), f"{method}: greedy tokens differ from full attention"
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref.logits, out.logits))
+    assert worst <= atol, f"{method}: logits differ from full attention by {worst}"
+    return cache
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A byte-level tokenizer built in-process (one token per UTF-8 byte, exact round trip, BOS ``<s>``
+    added, EOS ``</s>``) with a simple chat template; for eval-suite tests that need no real model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   chat_template=chat_template, model_max_length=1 << 30)
+
+def natural_prompt_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """About ``n_tokens`` of natural text (Paul Graham essays when the data is present)."""
+    essays = DATA_DIR / "pg_essays" / "PaulGrahamEssays.json"
+    text = json.loads(essays.read_text())["text"] if essays.exists() else (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 400)
+    return torch.tensor([tokenizer(text)["input_ids"][:n_tokens]])
+
