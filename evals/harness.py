@@ -123,8 +123,9 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
 def _suite(p: Plan, tokenizer):
     cfg = p.cfg
     try:
-        return p.suite_cls(tokenizer, data_dir=cfg["data_dir"], max_length=cfg["model"].get("max_length") or 8192,
-                           seed=cfg.get("seed", 0), limit=cfg.get("limit"), **p.suite_options)
+        max_length = {"max_length": cfg["model"]["max_length"]} if cfg["model"].get("max_length") else {}
+        return p.suite_cls(tokenizer, data_dir=cfg["data_dir"], seed=cfg.get("seed", 0), limit=cfg.get("limit"),
+                           **max_length, **p.suite_options)
     except TypeError as err:
         raise ConfigError(f"eval '{cfg['eval']['name']}': {err}") from None
     except ValueError as err:

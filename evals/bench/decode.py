@@ -220,7 +220,7 @@ def print_summary(results: dict, lo: int, hi: int) -> None:
     lengths = sorted({int(L) for t in table.values() for L in t["tpot_s"]})
     if not lengths:
         return
-    print("\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
+    print(f"\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
     print(f"{'method':>15} " + " ".join(f"{L:>8}" for L in lengths) + f" {'growth':>16}  " +
           " ".join(f"{p:>9}" for p in BREAKDOWN))
     for method, t in table.items():
