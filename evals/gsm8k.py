@@ -104,10 +104,9 @@ class GSM8KOptions:
 
 
 class GSM8K(Suite):
-
-    Options = GSM8KOptions
     name = "gsm8k"
     needs_data = True
+    Options = GSM8KOptions
 
     def configure(self, protocol, max_new_tokens, add_special_tokens) -> None:
         tokenizer = self.tokenizer

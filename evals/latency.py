@@ -27,9 +27,8 @@ class LatencyOptions:
 
 
 class Latency(Suite):
-
-    Options = LatencyOptions
     name = "latency"
+    Options = LatencyOptions
 
     def configure(self, lengths, new_tokens, repeats, beyond_max_length) -> None:
         self.lengths, self.new_tokens, self.repeats = [int(n) for n in lengths], int(new_tokens), int(repeats)

@@ -79,12 +79,11 @@ class LongBenchOptions:
 
 
 class LongBench(Suite):
-
+    name = "longbench"
+    needs_data = True
     Options = LongBenchOptions
     model_links = {"chat_format": "${model.prompt.longbench}", "system_prompt": "${model.prompt.system_prompt}",
                    "chat_template_kwargs": "${model.prompt.chat_template_kwargs}"}
-    name = "longbench"
-    needs_data = True
 
     def configure(self, tasks, chinese, longbench_dir, hf_dataset, chat_format, system_prompt,
                   chat_add_special_tokens, chat_template_kwargs) -> None:

@@ -91,10 +91,9 @@ class LongGenBench(Suite):
     ``decoding`` (``official`` sampling | ``greedy``) and ``sampling_seed``.
     ``limit`` caps the items per type. Sample ids: ``<subset>-<item index in the file>``."""
 
-    Options = LongGenBenchOptions
-
     name = "longgenbench"
     needs_data = True
+    Options = LongGenBenchOptions
 
     def configure(self, subset, types, judge_model, max_new_tokens, decoding, sampling_seed) -> None:
         if subset not in MAX_NEW_TOKENS:

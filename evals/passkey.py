@@ -98,9 +98,8 @@ class PasskeyOptions:
 
 
 class Passkey(Suite):
-
-    Options = PasskeyOptions
     name = "passkey"
+    Options = PasskeyOptions
 
     def configure(self, lengths, depths, depth_grid, length_unit, question_separator, question_via_decode, key_rng,
                   max_new_tokens) -> None:

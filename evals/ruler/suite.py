@@ -58,12 +58,11 @@ class Ruler(Suite):
     and ``token_count`` (``official`` | ``exact``).
     Sample ids: ``<task>-<length>-<index>``."""
 
+    name = "ruler"
+    needs_data = True
     Options = RulerOptions
     model_links = {"model_template": "${model.prompt.ruler}",
                    "chat_template_kwargs": "${model.prompt.chat_template_kwargs}"}
-
-    name = "ruler"
-    needs_data = True
 
     def configure(self, lengths, num_samples, tasks, model_template, chat_template_kwargs, token_count) -> None:
         tokenizer = self.tokenizer
