@@ -28,6 +28,7 @@ done
 outdir=${outdir:-${OUT:-gpu_check_out}}
 mkdir -p "$outdir"
 exec > >(tee "$outdir/gpu_check.log") 2>&1  # the whole output, part (a) included, also lands in the log
+tee_pid=$!
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 
 # (a) wheels: no package registry on the GPU machine; the missing packages travel as wheels
@@ -45,7 +46,7 @@ elif [ $cpu -eq 1 ]; then
         --implementation cp --platform manylinux_2_28_x86_64 --target "$scratch/cp312" "${wheels[@]}" \
         && echo "   all ${#wheels[@]} wheels install on CPython 3.12 / manylinux_2_28 x86_64"
     pure=("$WHEELS"/*-py3-none-any.whl "$WHEELS"/*-py2.py3-none-any.whl)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$scratch/site" "${pure[@]}" \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" "${pure[@]}" \
         && echo "   dry run: the ${#pure[@]} pure-Python wheels installed into a scratch folder (not used here)"
     rm -rf "$scratch"
 else
@@ -65,4 +66,6 @@ deadline=$(( 540 - wheels_s ))
 GPU_CHECK_WHEELS_S=$wheels_s "$PY" scripts/gpu_check.py "$outdir" --deadline "$deadline" "${args[@]}"
 rc=$?
 echo "== total: $(( $(date +%s) - start )) s (exit $rc)"
+exec 1>&- 2>&-
+wait "$tee_pid" 2>/dev/null  # the log is complete before the caller collects it
 exit "$rc"
