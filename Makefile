@@ -46,10 +46,13 @@ GPU_BINARY ?= hydra-core==1.3.8 omegaconf==2.3.1 hydra-submitit-launcher==1.2.0 
 	multiprocess==0.70.19
 GPU_SOURCE_ONLY ?= antlr4-python3-runtime==4.9.3 jieba==0.42.1
 
-gpu-wheels: setup
+# any pip does (nothing is installed here), so no .venv is needed
+GPU_PIP ?= $(PYTHON) -m pip
+
+gpu-wheels:
 	mkdir -p $(GPU_WHEELS)
-	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_BINARY)
-	$(PY) -m pip wheel -q --no-deps -w $(GPU_WHEELS) $(GPU_SOURCE_ONLY)
+	$(GPU_PIP) download -q --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_BINARY)
+	$(GPU_PIP) wheel -q --no-deps -w $(GPU_WHEELS) $(GPU_SOURCE_ONLY)
 	@ls $(GPU_WHEELS) && du -ch $(GPU_WHEELS)/*.whl | tail -1
 
 # The GPU readiness check (scripts/gpu_check.sh); `make gpu-check ARGS=--cpu` is its dry run on the CPU
