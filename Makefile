@@ -57,7 +57,7 @@ gpu-wheels:
 
 # The GPU readiness check (scripts/gpu_check.sh); `make gpu-check ARGS=--cpu` is its dry run on the CPU
 gpu-check:
-	PY=$(PY) scripts/gpu_check.sh $(ARGS)
+	scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) results/demo outputs multirun
