@@ -116,6 +116,7 @@ def worker(args) -> None:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        row.update(planned_s=planned(method, length, args.cpu), plan_scale=scale)  # to judge the plan afterwards
         with out.open("a") as f:
             f.write(json.dumps({"method": method, "length": length, **row}) + "\n")
         status = row.get("skipped") or row.get("error") or (
@@ -256,6 +257,9 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     environment, cells = read_cells(cells_path)
     cfg = CPU if args.cpu else GPU
+    if not environment:  # the worker died before its model was ready
+        environment = {k: cfg[k] for k in ("model", "device", "budget", "new_tokens")}
+        environment["note"] = "the benchmark worker ended before its model was ready (see gpu_check.log)"
     lengths = [L for L in cfg["lengths"] if not args.lengths or L in args.lengths]
     for method, length in cell_order(lengths, args.methods or METHODS):  # cells the deadline cut off
         cells.setdefault(method, {}).setdefault(str(length), {"skipped": "not reached before the deadline"})
