@@ -21,7 +21,7 @@ import yaml
 
 from icecache.kv import BudgetError, KVMethod, make_method
 from icecache.kv.registry import UnknownNameError
-from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_dtype
+from icecache.models import ModelUnavailableError, dtype_record, load_model, load_tokenizer, model_entry, resolve_dtype
 
 from . import results, wandb_log
 from .base import DataError, resolve_budget
@@ -304,6 +304,7 @@ def _machine() -> dict:
 def run_environment(cfg: dict) -> dict:
     """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
     library versions and the machine."""
-    device = cfg["device"]
-    return {**_machine(), "device": device, "dtype": str(resolve_dtype(cfg["model"].get("dtype", "auto"), device)),
+    device, dtype = cfg["device"], cfg["model"].get("dtype", "auto")
+    return {**_machine(), "device": device, **dtype_record(dtype, device),  # the rule behind model.dtype=auto
+            "dtype": str(resolve_dtype(dtype, device)),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}

@@ -20,7 +20,7 @@ from evals.longbench import LongBench
 from evals.summary import collect
 from icecache import make_cache
 from icecache.kv import METHODS
-from icecache.models import ModelUnavailableError, tiny_tokenizer
+from icecache.models import ModelUnavailableError, resolve_dtype, tiny_tokenizer
 
 from conftest import DATA_DIR, build_tiny
 
@@ -317,7 +317,9 @@ def test_a_custom_model_name_with_model_path(tmp_path):
     assert "max_length: 4096" in (run_dir / "config.yaml").read_text()  # from its config.json
     environment = json.loads((run_dir / "timing.json").read_text())["environment"]
     assert environment["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert environment["dtype"] == ("torch.bfloat16" if torch.cuda.is_available() else "torch.float32")
+    # auto: bf16 on CUDA; on a CPU bf16 only with native bf16 arithmetic (icecache/hardware.py), else fp32
+    assert environment["dtype"] == str(resolve_dtype("auto", environment["device"]))
+    assert environment["dtype_requested"] == "auto" and environment["dtype_rule"].startswith(environment["device"])
 
 
 def test_device_auto_is_the_default_and_resolves():
