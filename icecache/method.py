@@ -1,7 +1,8 @@
 """IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-efficient KV-cache Management for Long-Sequence
-LLMs", ICLR 2026, arXiv 2604.10539) and IceCache(reuse); spec: reference/icecache.md §1, §4, §5.
+LLMs", ICLR 2026, arXiv 2604.10539) and IceCache(reuse); official code: the IceCache repository's
+``source/icecache/infer_state.py`` and ``kv_cache.py``.
 
-Regions of a budgeted layer (§1), in pages of ``page_size`` tokens, all on the device:
+Regions of a budgeted layer (official ``kv_cache.py``), in pages of ``page_size`` tokens, all on the device:
 
     [ sink: n_sink pages | K retrieved page slots per KV head | window: n_window pages ]
 
@@ -16,7 +17,8 @@ n_sink - n_window``. Every other token is *offloaded*: its K/V live in an :class
 OffloadStore` (host memory, pinned on CUDA) and its key in the layer's M-DCI index (``icecache.dci``),
 whose pages are groups of semantically close sibling tokens.
 
-* Prefill (§5): exact full causal attention; then the layer's job goes to the background worker:
+* Prefill (official ``infer_state.prefill_evict_extra_pages``): exact full causal attention; then the
+  layer's job goes to the background worker:
   move the offloaded tokens (everything but the sink pages and the last ``n_window`` token-order pages)
   into the offload store and build the M-DCI index over them (token ids = absolute positions). The
   layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
@@ -24,25 +26,27 @@ whose pages are groups of semantically close sibling tokens.
   not indexed (official fallback): the layer attends everything until its context first exceeds
   ``B`` tokens, then offloads and builds the index at that step (the official code never indexes after
   prefill and lets the table outgrow the budget; we keep the budget).
-* Decode (§4): the new token joins the window. One index search per query head (``K`` pages,
+* Decode (official ``infer_state._DCI_query``, ``recall``, ``scatter_pages``): the new token joins the
+  window. One index search per query head (``K`` pages,
   field of view from the sequence length), GQA merge per KV head (rank-interleaved, capped at ``K``:
   ``gqa_merge="interleaved"``, official; ``"union"`` keeps the whole union, an ablation that attends
   up to ``group * K`` pages per KV head, i.e. over the budget). Pages already resident in a slot and
   not changed since keep their slot; only new or changed pages are bulk-loaded (one packed transfer,
   :meth:`OffloadStore.bulk_load`) into the slots freed by pages that dropped out. Attention runs over
   sink + selected pages + window, the empty slots of under-filled pages masked (head axis ``H_kv``).
-* Window eviction (§4 "New tokens"): when a new token finds the window's pages all full, the oldest
+* Window eviction (official ``decode_backup_win_page``, ``offload_win_page_to_DCI``): when a new token
+  finds the window's pages all full, the oldest
   window page leaves the window first: its K/V go to the offload store and its keys are inserted into
   the index before this step's search (where the official code's staged insert lands); the pages the
   insert changed are marked stale, so a resident copy is refetched when selected again. The window
   thus holds between ``(n_window - 1) * page_size + 1`` and ``n_window * page_size`` tokens at
   attention, the current one included.
 
-Budget layouts (§1, §9 "64-token budget"): ``budget_layout="auto"`` (default) lowers the sink to as
+Budget layouts: ``budget_layout="auto"`` (default) lowers the sink to as
 few as one page when the budget would otherwise leave no retrieved page, so 64 tokens with 16-token
-pages = (1 sink, 1 retrieved, 2 window) — the setting of reference §10's measurements — while 80
+pages = (1 sink, 1 retrieved, 2 window) (the official code asserts at 64 tokens) while 80
 tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as given. The other
-option the reference lists, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
+option, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
 
 Accounting: :meth:`resident_tokens` counts the device-side resident set of a budgeted layer, sink +
 every retrieved slot's capacity + window (at most ``B`` tokens between steps; at attention at most
@@ -242,7 +246,7 @@ class IceCache(KVMethod):
         """Pages per KV head the search hands on (``K``; more in IceCache(reuse) with ``rerank``)."""
         return k
 
-    # ------------------------------------------------------------------ prefill (§5)
+    # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
         if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
             self.offload(st, background=True)
@@ -270,7 +274,7 @@ class IceCache(KVMethod):
         if self.builds_index(st.layer_idx):
             st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), self.dci_config())
 
-    # ------------------------------------------------------------------ decode (§4)
+    # ------------------------------------------------------------------ decode
     def append(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:
         if not st.offloaded:
             super().append(st, k, v)
@@ -360,7 +364,8 @@ class IceCache(KVMethod):
 
 @dataclass
 class IceCacheReuse(IceCache):
-    """IceCache(reuse) (§4, official ``--n_reuse_layers``): an anchor layer's page selection is reused by
+    """IceCache(reuse) (official ``--n_reuse_layers``, ``infer_state.check_reuse``): an anchor layer's page
+    selection is reused by
     the next ``n_reuse_layers - 1`` layers, which build no index and run no search but load *their own*
     K/V of the anchor's pages (gathered from their own store through the anchor's page table).
 

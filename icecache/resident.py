@@ -1,4 +1,4 @@
-"""IceCache's resident buffer and its page table (Mao et al., "IceCache", ICLR 2026, §4 "Decoding"; the
+"""IceCache's resident buffer and its page table (Mao et al., "IceCache", ICLR 2026; the
 official ``infer_state.py`` keeps the same regions in its per-layer page table).
 
 One :class:`ResidentBuffer` per budgeted layer owns the device-side K/V a decode step attends, laid out as
