@@ -14,9 +14,9 @@ concatenated per step. The window is a ring: position ``p`` lives in ring page `
 Named operations (in the spirit of vLLM's ``BlockTable``): :meth:`append` (a new token into the window),
 :meth:`evict_oldest_window_page`, :meth:`mark_stale` (pages an index insert changed lose their slot),
 :meth:`assign_slots` (keep the resident selected pages, give the missing ones free slots),
-:meth:`load_pages` (write loaded pages into their slots), :meth:`attended_positions`, :meth:`view` (the
-buffer as attention reads it). The index-side loops are small numba kernels (``_assign``, ``_load_host``,
-``_refresh_mask``), so one step costs a few calls, not dozens of small numpy/torch ops per layer.
+:meth:`load_pages` (write loaded pages into their slots), :meth:`refresh_mask` and :meth:`n_past` (the
+slot mask and the attended count), :meth:`attended_positions`. The index-side loops are small numba kernels
+(``_assign``, ``_positions``, ``_load_host``, ``_refresh_mask``), so one step costs a few calls, not dozens of small numpy/torch ops per layer.
 """
 from __future__ import annotations
 
