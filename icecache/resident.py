@@ -16,7 +16,8 @@ Named operations (in the spirit of vLLM's ``BlockTable``): :meth:`append` (a new
 :meth:`assign_slots` (keep the resident selected pages, give the missing ones free slots),
 :meth:`load_pages` (write loaded pages into their slots), :meth:`refresh_mask` and :meth:`n_past` (the
 slot mask and the attended count), :meth:`attended_positions`. The index-side loops are small numba kernels
-(``_assign``, ``_positions``, ``_load_host``, ``_refresh_mask``), so one step costs a few calls, not dozens of small numpy/torch ops per layer.
+(``_assign``, ``_positions``, ``_load_host``, ``_refresh_mask``), so one step costs a few calls, not dozens
+of small numpy/torch ops per layer.
 """
 from __future__ import annotations
 
