@@ -1,7 +1,8 @@
 """IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-efficient KV-cache Management for Long-Sequence
-LLMs", ICLR 2026, arXiv 2604.10539) and IceCache(reuse); spec: reference/icecache.md §1, §4, §5.
+LLMs", ICLR 2026, arXiv 2604.10539) and IceCache(reuse); official code: the IceCache repository's
+``source/icecache/infer_state.py`` and ``kv_cache.py``.
 
-Regions of a budgeted layer (§1), in pages of ``page_size`` tokens, all on the device:
+Regions of a budgeted layer (official ``kv_cache.py``), in pages of ``page_size`` tokens, all on the device:
 
     [ sink: n_sink pages | K retrieved page slots per KV head | window: n_window pages ]
 
@@ -16,7 +17,8 @@ n_sink - n_window``. Every other token is *offloaded*: its K/V live in an :class
 OffloadStore` (host memory, pinned on CUDA) and its key in the layer's M-DCI index (``icecache.dci``),
 whose pages are groups of semantically close sibling tokens.
 
-* Prefill (§5): exact full causal attention; then the layer's job goes to the background worker:
+* Prefill (official ``infer_state.prefill_evict_extra_pages``): exact full causal attention; then the
+  layer's job goes to the background worker:
   move the offloaded tokens (everything but the sink pages and the last ``n_window`` token-order pages)
   into the offload store and build the M-DCI index over them (token ids = absolute positions). The
   layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
@@ -24,25 +26,27 @@ whose pages are groups of semantically close sibling tokens.
   not indexed (official fallback): the layer attends everything until its context first exceeds
   ``B`` tokens, then offloads and builds the index at that step (the official code never indexes after
   prefill and lets the table outgrow the budget; we keep the budget).
-* Decode (§4): the new token joins the window. One index search per query head (``K`` pages,
+* Decode (official ``infer_state._DCI_query``, ``recall``, ``scatter_pages``): the new token joins the
+  window. One index search per query head (``K`` pages,
   field of view from the sequence length), GQA merge per KV head (rank-interleaved, capped at ``K``:
   ``gqa_merge="interleaved"``, official; ``"union"`` keeps the whole union, an ablation that attends
   up to ``group * K`` pages per KV head, i.e. over the budget). Pages already resident in a slot and
   not changed since keep their slot; only new or changed pages are bulk-loaded (one packed transfer,
   :meth:`OffloadStore.bulk_load`) into the slots freed by pages that dropped out. Attention runs over
   sink + selected pages + window, the empty slots of under-filled pages masked (head axis ``H_kv``).
-* Window eviction (§4 "New tokens"): when a new token finds the window's pages all full, the oldest
+* Window eviction (official ``decode_backup_win_page``, ``offload_win_page_to_DCI``): when a new token
+  finds the window's pages all full, the oldest
   window page leaves the window first: its K/V go to the offload store and its keys are inserted into
   the index before this step's search (where the official code's staged insert lands); the pages the
   insert changed are marked stale, so a resident copy is refetched when selected again. The window
   thus holds between ``(n_window - 1) * page_size + 1`` and ``n_window * page_size`` tokens at
   attention, the current one included.
 
-Budget layouts (§1, §9 "64-token budget"): ``budget_layout="auto"`` (default) lowers the sink to as
+Budget layouts: ``budget_layout="auto"`` (default) lowers the sink to as
 few as one page when the budget would otherwise leave no retrieved page, so 64 tokens with 16-token
-pages = (1 sink, 1 retrieved, 2 window) — the setting of reference §10's measurements — while 80
+pages = (1 sink, 1 retrieved, 2 window) (the official code asserts at 64 tokens) while 80
 tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as given. The other
-option the reference lists, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
+option, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
 
 Accounting: :meth:`resident_tokens` counts the device-side resident set of a budgeted layer, sink +
 every retrieved slot's capacity + window (at most ``B`` tokens between steps; at attention at most
@@ -62,24 +66,16 @@ from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.offload import OffloadStore
+from icecache.resident import ResidentBuffer
 
 
 class IceState(LayerState):
     """One layer: before offloading, the inherited ``k, v, pos`` hold every token (dense layers always);
-    after, the device holds the resident buffer ``res_*`` = sink | page slots | window ring."""
+    after, :attr:`buffer` (a :class:`~icecache.resident.ResidentBuffer`) holds sink | page slots | window."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
-        self.offloaded = False
-        self.res_k = self.res_v = None  # [H_kv, R, d] resident buffer (device)
-        self.res_valid: torch.Tensor | None = None  # [H_kv, R] attended entries
-        self.n_sink_tokens = 0  # sink region = res[:, :n_sink_tokens]
-        self.win_offset = 0  # window ring = res[:, win_offset:]
-        self.win_start = 0  # oldest window position; the window holds win_start .. win_start + win_len - 1
-        self.win_len = 0
-        self.slot_k = self.slot_v = None  # [H_kv, W, s, d] views of the slot region of res_*
-        self.slot_page: torch.Tensor | None = None  # [H_kv, W] page id held per slot, -1 = empty
-        self.slot_tokens: torch.Tensor | None = None  # [H_kv, W, s] absolute positions, -1 = empty
+        self.buffer: ResidentBuffer | None = None
         self.store: OffloadStore | None = None
         self.index: MDCIIndex | None = None  # anchors only
         self.selection: torch.Tensor | None = None  # [H_kv, W] pages selected at step ``selected_at``
@@ -87,8 +83,19 @@ class IceState(LayerState):
         self.selected_at = -1
         self.changed: torch.Tensor | None = None  # [H_kv, n_pages] pages changed by the last insert
         self.changed_at = -1
-        self.bytes_moved = 0
         self.step_bytes = 0
+
+    @property
+    def offloaded(self) -> bool:
+        return self.buffer is not None
+
+    # read-only views of the buffer's page table (tests, tools)
+    win_start = property(lambda self: self.buffer.win_start)
+    win_len = property(lambda self: self.buffer.win_len)
+    slot_k = property(lambda self: self.buffer.slot_k)
+    slot_v = property(lambda self: self.buffer.slot_v)
+    slot_page = property(lambda self: torch.from_numpy(self.buffer.slot_page))
+    slot_tokens = property(lambda self: torch.from_numpy(self.buffer.slot_tokens))
 
 
 def official_preset(budget: int) -> dict:
@@ -239,7 +246,7 @@ class IceCache(KVMethod):
         """Pages per KV head the search hands on (``K``; more in IceCache(reuse) with ``rerank``)."""
         return k
 
-    # ------------------------------------------------------------------ prefill (§5)
+    # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
         if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
             self.offload(st, background=True)
@@ -249,23 +256,9 @@ class IceCache(KVMethod):
         s, n = self.page_size, st.n_seen
         sink_pages, window_pages, _ = self.layout()
         first, w0 = sink_pages * s, (-(-n // s) - window_pages) * s
-        k, v = st.k, st.v
-        h, _, d = k.shape
-        st.n_sink_tokens, st.win_offset = first, first + self.n_slots * s
-        size = st.win_offset + window_pages * s
-        st.res_k = torch.zeros(h, size, d, dtype=k.dtype, device=k.device)
-        st.res_v = torch.zeros_like(st.res_k)
-        st.res_valid = torch.zeros(h, size, dtype=torch.bool, device=k.device)
-        st.res_k[:, :first], st.res_v[:, :first], st.res_valid[:, :first] = k[:, :first], v[:, :first], True
-        st.slot_k = st.res_k[:, first: st.win_offset].view(h, self.n_slots, s, d)
-        st.slot_v = st.res_v[:, first: st.win_offset].view(h, self.n_slots, s, d)
-        st.win_start, st.win_len = w0, 0
-        self.window_write(st, k[:, w0:], v[:, w0:])
-        st.slot_page = torch.full((h, self.n_slots), -1, dtype=torch.long)
-        st.slot_tokens = torch.full((h, self.n_slots, s), -1, dtype=torch.long)
+        st.buffer = ResidentBuffer(st.k, st.v, first, self.n_slots, s, window_pages, w0)
         k_buf, v_buf = st.buffers.pop("k"), st.buffers.pop("v")  # row p = position p (nothing evicted yet)
         st.k = st.v = st.pos = None
-        st.offloaded = True
         job = (self.offload_job, st, k_buf, v_buf, first, w0)
         if background:
             self.submit_background(st, *job)
@@ -281,56 +274,26 @@ class IceCache(KVMethod):
         if self.builds_index(st.layer_idx):
             st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), self.dci_config())
 
-    # ------------------------------------------------------------------ decode (§4)
+    # ------------------------------------------------------------------ decode
     def append(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:
         if not st.offloaded:
             super().append(st, k, v)
             return
-        if st.win_len >= self.n_window_pages * self.page_size:  # window full: the oldest page leaves
+        if st.buffer.window_full():  # the oldest page leaves
             self.evict_oldest_window_page(st)
-        self.window_write(st, k, v)
+        st.buffer.append(k, v)
 
     def evict_oldest_window_page(self, st: IceState) -> None:
         """The oldest window page goes to the offload store and (anchors) into the index, before this
         step's search, as the official code inserts it; resident copies of the pages it changed go stale."""
-        s = self.page_size
-        positions = torch.arange(st.win_start, st.win_start + s)
-        oldest = self.window_slots(st, positions).to(st.res_k.device)
-        k, v = torch.stack((st.res_k[:, oldest], st.res_v[:, oldest])).cpu()  # one device-to-host copy
+        k, v, positions = st.buffer.evict_oldest_window_page()
         st.store.append(k, v)
-        st.res_valid[:, oldest] = False
-        st.win_start, st.win_len = st.win_start + s, st.win_len - s
-        self.mark_stale(st, self.insert_evicted(st, k, positions))
-
-    def window_slots(self, st: IceState, positions):
-        """Indices into ``res_*`` of window positions (ring of ``n_window_pages`` pages); a LongTensor of
-        positions gives a LongTensor, one int position gives an int."""
-        s = self.page_size
-        return st.win_offset + (positions // s) % self.n_window_pages * s + positions % s
-
-    def window_write(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes ``k, v [H_kv, m, d]`` at the next ``m`` window positions."""
-        start = st.win_start + st.win_len
-        if k.shape[1] == 1:  # a decode step: one slot, plain indexing
-            slot = self.window_slots(st, start)
-            st.res_k[:, slot], st.res_v[:, slot], st.res_valid[:, slot] = k[:, 0], v[:, 0], True
-        else:
-            slots = self.window_slots(st, torch.arange(start, start + k.shape[1])).to(st.res_k.device)
-            st.res_k[:, slots], st.res_v[:, slots], st.res_valid[:, slots] = k, v, True
-        st.win_len += k.shape[1]
+        st.buffer.mark_stale(self.insert_evicted(st, k, positions).numpy())
 
     def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inserts the host keys ``[H_kv, s, d]`` evicted from the window; returns the changed-page flags."""
         st.changed, st.changed_at = st.index.insert(keys, positions), st.n_seen
         return st.changed
-
-    @staticmethod
-    def mark_stale(st: IceState, changed: torch.Tensor) -> None:
-        """Resident pages whose content changed lose their slot (refetched when selected again)."""
-        held = st.slot_page
-        stale = (held >= 0) & changed.gather(1, held.clamp_min(0))
-        held[stale] = -1
-        st.slot_tokens[stale] = -1
 
     def select(self, st: IceState, q: torch.Tensor) -> torch.Tensor | None:
         """Page ids ``[H_kv, W]`` (-1 padded) for this step, or None (dense / not yet offloaded)."""
@@ -351,56 +314,31 @@ class IceCache(KVMethod):
         return st.selection
 
     def fetch(self, st: IceState, selection: torch.Tensor | None) -> Fetched:
+        """Keeps the resident selected pages, loads the missing ones into freed slots (one packed
+        transfer) and returns the resident buffer in place."""
         if selection is None:
             return Fetched(st.k, st.v)
-        heads, pages, slots = self.assign_slots(st, selection)
+        buf = st.buffer
+        heads, pages, slots = buf.assign_slots(selection.numpy())
         st.step_bytes = 0
         if heads.size:
-            positions = self.page_source(st).index.page_abs[heads, pages]  # numpy [N, s]
-            k, v = st.store.bulk_load(heads, positions)
-            dev = st.slot_k.device
-            dev_heads, dev_slots = torch.from_numpy(heads).to(dev), torch.from_numpy(slots).to(dev)
-            st.slot_k[dev_heads, dev_slots], st.slot_v[dev_heads, dev_slots] = k, v
-            st.slot_tokens.numpy()[heads, slots] = positions
-            st.step_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+            st.step_bytes = buf.load_pages(self.page_source(st).index.page_abs, heads, pages, slots, st.store)
         st.bytes_moved += st.step_bytes
+        buf.refresh_mask()
         return self.resident_kv(st)
 
     @staticmethod
-    def assign_slots(st: IceState, selection: torch.Tensor):
-        """Keeps selected pages already resident in their slots, frees the others and gives the missing
-        pages free slots (lowest free slot first); returns the ``(heads, pages, slots)`` to load
-        (int64 numpy arrays, possibly empty). Vectorised over KV heads in numpy (the arrays are tiny and torch's
-        per-op overhead dominated): ``selection [H_kv, K']``, -1 padded, distinct ids per head."""
-        held, want = st.slot_page.numpy(), selection.numpy()  # views: ``held`` is updated in place
-        keep = (held[:, :, None] == want[:, None, :]).any(-1) & (held >= 0)
-        held[~keep] = -1
-        st.slot_tokens.numpy()[~keep] = -1
-        missing = (want >= 0) & ~(want[:, :, None] == held[:, None, :]).any(-1)
-        free = ~keep & (np.cumsum(~keep, 1) <= missing.sum(1, keepdims=True))  # the first n_missing free slots
-        heads, col = missing.nonzero()
-        slots = free.nonzero()[1]  # row-major, so aligned with (heads, col) head by head
-        pages = want[heads, col]
-        held[heads, slots] = pages
-        return heads, pages, slots
-
-    def resident_kv(self, st: IceState) -> Fetched:
+    def resident_kv(st: IceState) -> Fetched:
         """The resident buffer in place: sink + page slots + window (current token included), the empty
-        slots of under-filled or unused pages and unused window slots masked."""
-        h, w, s, _ = st.slot_k.shape
-        filled = st.slot_tokens >= 0
-        st.res_valid[:, st.n_sink_tokens: st.win_offset] = filled.view(h, w * s).to(st.res_valid.device)
-        n_past = st.n_sink_tokens + np.count_nonzero(filled.numpy()) / h + st.win_len - 1  # host count, no sync
-        return Fetched(st.res_k, st.res_v, st.res_valid, n_past=n_past)
+        slots of under-filled or unused pages and unused window slots masked; ``n_past`` from the host
+        page table (no device read)."""
+        buf = st.buffer
+        return Fetched(buf.k, buf.v, buf.valid, n_past=buf.n_past())
 
     def attended_positions(self, st: IceState) -> torch.Tensor:
         """Absolute positions ``[H_kv, R]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure
         attention recall, and for tests)."""
-        h = st.slot_tokens.shape[0]
-        window = torch.full((h, st.res_k.shape[1] - st.win_offset), -1, dtype=torch.long)
-        positions = torch.arange(st.win_start, st.win_start + st.win_len)
-        window[:, self.window_slots(st, positions) - st.win_offset] = positions
-        return torch.cat([torch.arange(st.n_sink_tokens).expand(h, -1), st.slot_tokens.view(h, -1), window], dim=1)
+        return st.buffer.attended_positions()
 
     def observe(self, st: IceState, q, fetched, selection) -> None:
         if not self.is_budgeted(st.layer_idx):
@@ -412,7 +350,7 @@ class IceCache(KVMethod):
     def resident_tokens(self, st: IceState) -> int:
         if not st.offloaded:
             return st.resident_tokens()
-        return st.n_sink_tokens + st.slot_k.shape[1] * self.page_size + st.win_len
+        return st.buffer.resident_tokens()
 
     def resident_bound(self) -> int:
         """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
@@ -426,7 +364,8 @@ class IceCache(KVMethod):
 
 @dataclass
 class IceCacheReuse(IceCache):
-    """IceCache(reuse) (§4, official ``--n_reuse_layers``): an anchor layer's page selection is reused by
+    """IceCache(reuse) (official ``--n_reuse_layers``, ``infer_state.check_reuse``): an anchor layer's page
+    selection is reused by
     the next ``n_reuse_layers - 1`` layers, which build no index and run no search but load *their own*
     K/V of the anchor's pages (gathered from their own store through the anchor's page table).
 

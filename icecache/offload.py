@@ -1,5 +1,6 @@
 """The host offload stores: :class:`HostKV` for every offloading method, and IceCache's :class:`OffloadStore`
-with its page bulk loader (Mao et al., "IceCache", ICLR 2026, §4 "Decoding" and §5).
+with its page bulk loader (Mao et al., "IceCache", ICLR 2026; official ``infer_state.py``: ``recall``,
+``scatter_pages``).
 
 :class:`OffloadStore` holds the K/V of one layer's offloaded tokens in host memory (pinned when the
 model runs on CUDA), indexed by absolute token position. The M-DCI index's ``page_table`` says which

@@ -1,4 +1,4 @@
-"""M-DCI: the multi-level dynamic continuous index of IceCache (reference/icecache.md §2-§4, §10).
+"""M-DCI: the multi-level dynamic continuous index of IceCache (M-DCI, official repository ``src/dci.c``).
 
 One :class:`MDCIIndex` holds the M-DCI instances of all KV heads of one layer (one logical instance
 per (layer, KV head), stored and searched together). Pages are groups of siblings: the children of
@@ -30,7 +30,7 @@ API::
 insert (a split can append page ids and reallocate). Page ``j`` of head 0 and page ``j`` of head 1
 hold different tokens. Slots ``0 .. valid-1`` of a page are used, in projection order.
 
-Algorithm (what the official C code does, §3): the keys are lifted to ``T_K(k) = [k; sqrt(M^2 -
+Algorithm (what the official C code ``src/dci.c`` does): the keys are lifted to ``T_K(k) = [k; sqrt(M^2 -
 |k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (``transform.py``); tokens are promoted to levels by
 the positional rule (``levels.py``); every point's parent is its nearest point one level up under
 ``D`` (``parents.py``); every node's children form its pages (``_kernels.bulk_load``); a query
@@ -64,7 +64,7 @@ Differences from the C code, and why:
   which is scored page by page.
 - Prefix rule: applied at every level whose nodes have children; at level 0 every scored token is a
   candidate and the result is the ``K`` pages with the best tokens (per-page max score), which is the
-  "distinct pages in order of their best token" of §3.3 without materialising a sorted token list.
+  "distinct pages in order of their best token" of ``dci_query`` without materialising a sorted token list.
 - Parents: exact brute force (one dense matmul per chunk, batched over heads) whatever the upper
   level's size; the approximate top-down construction search used above ``exact_parent_threshold``
   upper points (n >~ 300k tokens with the defaults) is not implemented. The level-0 anchor shortcut
@@ -76,7 +76,8 @@ Differences from the C code, and why:
   exact search), as in the C code's sequential insertion. A super-block whose candidates are every
   upper point keeps ``P`` without the test (the fallback would return the same point).
 - Insert: the new tokens' parents are found with one matmul per head over the level-1 keys.
-- Norm correction (§2): the lazy per-node correction is kept (node ``M^2`` stored per node; a node
+- Norm correction (``src/dci.c``, norm re-projection): the lazy per-node correction is kept (node
+  ``M^2`` stored per node; a node
   receiving a token after ``M`` grew is re-projected, re-sorted and re-packed evenly into its
   existing pages). The C code re-bulk-loads the node (possibly fewer leaves); we keep its page ids so
   no page id is freed, and flag only pages whose token list changed.

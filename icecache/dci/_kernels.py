@@ -1,4 +1,4 @@
-"""numba kernels of M-DCI: page bulk load, top-down page search, incremental insert (icecache.md §3).
+"""numba kernels of M-DCI: page bulk load, top-down page search, incremental insert (official ``src/dci.c``).
 
 Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capacity):
 
@@ -8,7 +8,7 @@ Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capac
 - ``page_valid [H, P]`` used slots, ``page_next [H, P]`` next page of the same parent (-1 = last),
   ``page_node [H, P]`` the parent node owning the page.
 - ``node_first [H, N]``, ``node_npages [H, N]``, ``node_nleaf [H, N]`` (level-0 pages below the node),
-  ``node_m2 [H, N]`` (the ``M^2`` its children's projections use, §2); node 0 = virtual root,
+  ``node_m2 [H, N]`` (the ``M^2`` its children's projections use, ``src/dci.c``); node 0 = virtual root,
   node ``i + 1`` = token ``i``.
 - ``tok_page [H, n]``, ``tok_slot [H, n]``: where each token sits; ``parent [H, n]`` its parent node.
 
@@ -28,7 +28,7 @@ from numba import njit, prange
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 
 
-# ----------------------------------------------------------------------------- bulk load (§3.2)
+# ----------------------------------------------------------------------------- bulk load (``src/dci.c`` construction)
 
 @njit(cache=True, nogil=True, parallel=True)
 def bulk_load(parent, proj, uk, keys, tok_abs, page_size, page_keys, page_uk, page_proj, page_loc,
@@ -97,7 +97,7 @@ def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
             node_nleaf[h, 0] = node_npages[h, 0]
 
 
-# ----------------------------------------------------------------------------- query (§3.3)
+# ----------------------------------------------------------------------------- query (``dci_query``)
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_touched, cand_s,
@@ -275,7 +275,7 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_up
 def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
            page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
            node_nleaf, out, out_scores):
-    """Top-down page search of every query head (§3.3), in parallel over query heads; writes
+    """Top-down page search of every query head (``dci_query``), in parallel over query heads; writes
     ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
     padded), ``C >= k_pages``.
 
@@ -301,7 +301,7 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n
                     node_first, node_npages, node_nleaf, out[qh], out_scores[qh])
 
 
-# ----------------------------------------------------------------------------- insert (§3.4)
+# ----------------------------------------------------------------------------- insert (``dci_add``)
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def norms_and_proj(keys, u):
@@ -323,10 +323,10 @@ def norms_and_proj(keys, u):
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def insert_parents(new_keys, u, m2, sim, l1_sq, l1_loc):
-    """Squared norms, ``u_{1:d}.k`` and parent node of new keys; updates ``m2`` (running max, §2).
+    """Squared norms, ``u_{1:d}.k`` and parent node of new keys; updates ``m2`` (running max, ``src/dci.c``).
 
     ``sim [H, m, n1]`` holds the plain inner products with the level-1 keys; the parent is the
-    nearest level-1 node under ``D`` (exact, §3.4), i.e. the largest
+    nearest level-1 node under ``D`` (exact, ``dci_add``), i.e. the largest
     ``a.b + sqrt(M^2-|a|^2) sqrt(M^2-|b|^2)`` with the updated ``M``; node 0 (root) without a level 1.
     """
     sq, uk = norms_and_proj(new_keys, u)
@@ -363,7 +363,7 @@ def _node_pages(h, node, page_next, node_first, node_npages):
 @njit(cache=True, nogil=True)
 def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc, page_abs,
                page_valid, page_next, node_first, node_npages, node_m2, tok_page, tok_slot, changed):
-    """Lazy ``M`` correction of one node (§2): re-project its children with the head's new ``M^2``,
+    """Lazy ``M`` correction of one node (``src/dci.c``): re-project its children with the head's new ``M^2``,
     re-sort them and re-pack them evenly into the node's pages; pages whose tokens moved are flagged."""
     pages = _node_pages(h, node, page_next, node_first, node_npages)
     c = 0
@@ -453,7 +453,7 @@ def _split(h, pg, page_size, page_keys, page_uk, page_proj, page_loc, page_abs, 
 def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, page_size, sq, parent, page_keys, page_uk, page_proj, page_loc, page_abs, page_valid,
            page_next, page_node, node_first, node_npages, node_nleaf, node_m2, tok_page, tok_slot,
            n_pages, changed):
-    """Insert ``m`` new level-0 tokens per head into their parents' pages (§3.4).
+    """Insert ``m`` new level-0 tokens per head into their parents' pages (``dci_add``).
 
     Parents are level-1 nodes (or the root of a one-level tree), so a new page is a level-0 page.
     A full page splits in half; every page whose content changed is flagged in ``changed``.

@@ -1,4 +1,4 @@
-"""Hyper-parameters of the M-DCI index (defaults = IceCache's bf16 branch, icecache.md §3 and §8)."""
+"""Hyper-parameters of the M-DCI index (defaults = the official IceCache scripts and M-DCI's bf16 branch)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,27 @@ class DCIConfig:
     """Configuration of one layer's M-DCI index.
 
     Attributes:
-        page_size: tokens per page = B+-tree leaf capacity (``BTREE_LEAF_MAX_NUM_SLOTS``, §3.2).
-        ratio_1: promotion ratio from level 0 to level 1 (``p_0``, §3.2; 0.01 in the scripts).
-        ratio_2: promotion ratio between higher levels (``p_{t>=1}``, §3.2).
-        promotion: ``"deterministic"`` (positional rule of the official code, §3.2) or
+        page_size: tokens per page = B+-tree leaf capacity (``BTREE_LEAF_MAX_NUM_SLOTS``, ``src/dci.c`` construction).
+        ratio_1: promotion ratio from level 0 to level 1 (``p_0``, ``src/dci.c`` construction; 0.01 in the scripts).
+        ratio_2: promotion ratio between higher levels (``p_{t>=1}``, ``src/dci.c`` construction).
+        promotion: ``"deterministic"`` (positional rule of the official code, ``src/dci.c`` construction) or
             ``"random"`` (geometric coin flips with a seeded generator).
-        search_ratio: the query's field of view is ``max(floor(n * search_ratio), min_fov)`` (§3.3).
-        min_fov: lower bound of the field of view (30, §3.3).
+        search_ratio: the query's field of view is ``max(floor(n * search_ratio), min_fov)`` (``dci_query``).
+        min_fov: lower bound of the field of view (30, ``dci_query``).
         prop_to_retrieve: share of an expanded node's children scored exactly, picked by projection
-            proximity to the query (0.8, §3.3), in chunks of ``visit_chunk``.
+            proximity to the query (0.8, ``dci_query``), in chunks of ``visit_chunk``.
         visit_chunk: children are visited in runs of up to this many around ``p(q)`` (``CLOSEST`` =
             128 in the C code's ``dci_next_closest_proj``): a node with at most 128 children is scored
             in full, a larger one in multiples of 128 until ``prop_to_retrieve`` is reached. 1 gives
             exactly ``ceil(prop_to_retrieve * c)`` children (the behaviour of the first port).
         exact_parent_threshold: parents are found by exact brute force while the upper level has at
-            most this many points (``numa_threshold`` = 3000, §3.2).
+            most this many points (``numa_threshold`` = 3000, ``src/dci.c`` construction).
         anchor_interval: every ``anchor_interval``-th level-0 point is an anchor (60, bf16 branch).
         anchor_window: anchors looked at on each side of a level-0 point (``X`` = 60).
         anchor_threshold: a point keeps its anchor-derived parent ``P`` if
             ``D <= anchor_threshold * maxchilddist(P)`` (1.02), else it falls back to the full search.
         use_anchors: use the anchor shortcut at level 0 when it holds more than
-            ``exact_parent_threshold`` points (§3.2, step 3).
+            ``exact_parent_threshold`` points (``src/dci.c`` anchors).
         seed: seeds the projection direction ``u`` and random promotion.
     """
 
@@ -62,5 +62,5 @@ class DCIConfig:
             raise ValueError("prop_to_retrieve must lie in (0, 1]")
 
     def fov(self, n_seq: int) -> int:
-        """Field of view of a query at sequence length ``n_seq`` (§3.3)."""
+        """Field of view of a query at sequence length ``n_seq`` (``dci_query``)."""
         return max(int(n_seq * self.search_ratio), self.min_fov)

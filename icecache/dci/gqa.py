@@ -1,4 +1,4 @@
-"""GQA merge of per-query-head page lists into per-KV-head lists (IceCache §4, official
+"""GQA merge of per-query-head page lists into per-KV-head lists (official
 ``infer_state.py`` ``first_k_unique``; the score-based merges are this project's, see ``merge_gqa``)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``MDCIIndex``: the M-DCI instances of one layer, batched over its KV heads (icecache.md §2-§3).
+"""``MDCIIndex``: the M-DCI instances of one layer, batched over its KV heads (official ``src/dci.c``,
+``dciknn/core.py``).
 
 See the package docstring (``icecache/dci/__init__.py``) for the API and for what differs from the
 official C code. Internal storage is numpy (shared zero-copy with the torch views this class
@@ -108,7 +109,7 @@ class MDCIIndex:
         return self
 
     def _bulk_load(self, k_np, uk, proj, sq, m2, token_ids, level, parent) -> None:
-        """Fill the token, node and page arrays from the levels and parents (§3.2, "Pages")."""
+        """Fill the token, node and page arrays from the levels and parents (``src/dci.c`` page construction)."""
         n, s = self.n, self.cfg.page_size
         self.tok_abs[:n] = token_ids.detach().to(torch.int64).numpy()
         self.level[:n] = level
@@ -156,7 +157,7 @@ class MDCIIndex:
     # ------------------------------------------------------------------------- query
 
     def search(self, queries: torch.Tensor, k_pages: int, n_seq: int | None = None) -> torch.Tensor:
-        """Top-``k_pages`` page ids per query head (§3.3): ``queries [H_q, d]`` -> ``LongTensor [H_q, K]``.
+        """Top-``k_pages`` page ids per query head (``dci_query``): ``queries [H_q, d]`` -> ``LongTensor [H_q, K]``.
 
         Query head ``i`` searches KV head ``i // (H_q / H_kv)``. Pages are listed in order of their
         best-scoring token, -1 padded. ``n_seq`` (default: indexed tokens) sets the field of view
@@ -189,7 +190,7 @@ class MDCIIndex:
     # ------------------------------------------------------------------------- insert
 
     def insert(self, keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Insert ``keys [H_kv, m, d]`` (post-RoPE) with absolute ids ``token_ids [m]`` (§3.4).
+        """Insert ``keys [H_kv, m, d]`` (post-RoPE) with absolute ids ``token_ids [m]`` (``dci_add``).
 
         Every new token becomes a level-0 point under its nearest level-1 node (exact brute force
         under ``D``). Returns ``BoolTensor [H_kv, n_pages]`` (``n_pages`` after the insert): True for
@@ -270,5 +271,5 @@ class MDCIIndex:
 
     @property
     def max_sq_norm(self) -> torch.Tensor:
-        """``[H_kv]`` running maximum squared key norm ``M^2`` (§2)."""
+        """``[H_kv]`` running maximum squared key norm ``M^2`` (``src/dci.c``)."""
         return torch.from_numpy(self.m2)

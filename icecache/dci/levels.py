@@ -1,4 +1,4 @@
-"""Level assignment (promotion) of M-DCI (icecache.md §3.2).
+"""Level assignment (promotion) of M-DCI (official ``src/dci.c``, level assignment).
 
 Every token lives on exactly one level. Level sizes shrink geometrically: ``n_{t+1} ~ p_t n_t`` with
 ``p_0 = ratio_1`` and ``p_{t>=1} = ratio_2``. The assignment depends only on token order (and the
@@ -18,7 +18,7 @@ from .config import DCIConfig
 
 @njit(cache=True, nogil=True)
 def _deterministic_levels(n: int, ratio_1: float, ratio_2: float) -> np.ndarray:
-    """The official positional rule, token by token (§3.2).
+    """The official positional rule, token by token (``src/dci.c`` construction).
 
     After a token is placed on level ``t``, the next token goes to ``t+1`` if ``t`` is the top level
     and now holds ``ceil(1/p_t)`` points (a new level opens), or if ``t`` is below the top and

@@ -1,4 +1,4 @@
-"""Parent assignment of M-DCI construction (icecache.md §3.2, "Parents").
+"""Parent assignment of M-DCI construction (official ``src/dci.c``, parent assignment).
 
 Levels are processed top-down. Each point on level ``t`` gets as parent its nearest point on level
 ``t+1`` under ``D(a, b) = ||T_K(a) - T_K(b)||^2 / 2``. Since ``||T_K||`` is the same (``M``) for every
@@ -70,7 +70,7 @@ def _anchor_candidates(anchor_parent: np.ndarray, window: int, n_upper: int, blo
 
 @njit(cache=True, nogil=True)
 def _accept(parent, dist, complete, max_child, threshold):
-    """Sequential acceptance test of one super-block, in token order, per head (§3.2 step 3).
+    """Sequential acceptance test of one super-block, in token order, per head (``src/dci.c`` anchors).
 
     A point keeps its anchor-derived parent ``P`` if ``D <= threshold * maxchilddist(P)`` (always when
     its candidates were every upper point); an accepted point raises ``maxchilddist(P)``. Returns the
@@ -96,7 +96,7 @@ def _best_upper(lifted: torch.Tensor, points: np.ndarray, up_t: torch.Tensor):
 
 def anchor_parents(lifted: torch.Tensor, m2: torch.Tensor, level0: np.ndarray, uppers: np.ndarray,
                    cfg: DCIConfig) -> torch.Tensor:
-    """Anchor shortcut for a large level 0 (§3.2 step 3); returns positions into ``uppers``, ``[H, n0]``.
+    """Anchor shortcut for a large level 0 (``src/dci.c`` anchors); returns positions into ``uppers``, ``[H, n0]``.
 
     Anchors (every ``anchor_interval``-th level-0 point in token order) get exact parents first. Every
     other point takes the closest ``P`` among the distinct parents of the anchors around it

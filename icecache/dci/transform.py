@@ -1,4 +1,4 @@
-"""Inner product -> Euclidean transform of M-DCI (icecache.md §2).
+"""Inner product -> Euclidean transform of M-DCI (official ``src/dci.c``, transform and projection).
 
 Keys are lifted to ``T_K(k) = [k ; sqrt(M^2 - ||k||^2)]`` (norm ``M``) and queries to
 ``T_Q(q) = [q / ||q|| ; 0]`` (norm 1), so ``||T_Q(q) - T_K(k)||^2 = 1 + M^2 - 2 q.k / ||q||``
@@ -41,19 +41,19 @@ def key_key_distance(a: torch.Tensor, b: torch.Tensor, m2: torch.Tensor) -> torc
     """``D(a, b) = ||T_K(a) - T_K(b)||^2 / 2 = M^2 - a.b - sqrt((M^2-|a|^2)(M^2-|b|^2))``.
 
     ``a``: ``[H, n, d]``, ``b``: ``[H, m, d]``, ``m2``: ``[H]`` -> ``[H, n, m]``. Used for parent
-    assignment (the nearest upper-level point under ``D`` becomes the parent, §3.2).
+    assignment (the nearest upper-level point under ``D`` becomes the parent, ``src/dci.c`` construction).
     """
     ta, tb = transform_keys(a, m2), transform_keys(b, m2)
     return m2[:, None, None] - ta @ tb.transpose(-1, -2)
 
 
 def key_projection(keys: torch.Tensor, u: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """``p(k) = u_{1:d}.k + u_{d+1} sqrt(M^2 - ||k||^2)`` (§2), shape ``keys.shape[:-1]``."""
+    """``p(k) = u_{1:d}.k + u_{d+1} sqrt(M^2 - ||k||^2)`` (``src/dci.c``), shape ``keys.shape[:-1]``."""
     return transform_keys(keys, m2) @ u
 
 
 def query_projection(queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``p(q) = u_{1:d}.q / ||q||`` (§2)."""
+    """``p(q) = u_{1:d}.q / ||q||`` (``src/dci.c``)."""
     return transform_queries(queries) @ u
 
 
