@@ -6,7 +6,7 @@ Regions of a budgeted layer (official ``kv_cache.py``), in pages of ``page_size`
 
     [ sink: n_sink pages | K retrieved page slots per KV head | window: n_window pages ]
 
-They are one persistent buffer per layer (``res_k, res_v [H_kv, R, d]`` and ``res_valid [H_kv, R]``), so
+They are one persistent buffer per layer (:class:`~icecache.resident.ResidentBuffer`), so
 attention reads the resident set in place: a page load writes into its slot, a new token into its
 window slot, and nothing is concatenated per step. The window region is a ring of ``n_window`` pages
 (position ``p`` lives in ring page ``(p // page_size) % n_window``); attention is a set operation over
@@ -184,8 +184,7 @@ class IceCache(KVMethod):
 
     def layout(self) -> tuple[int, int, int]:
         """``(sink, window, retrieved)`` pages of the budget."""
-        pages = self.budget // self.page_size
-        sink = self.n_sink_pages
+        pages, sink = self.budget // self.page_size, self.n_sink_pages
         if self.budget_layout == "auto":
             sink = min(sink, max(1, pages - self.n_window_pages - 1))
         return sink, self.n_window_pages, pages - sink - self.n_window_pages

@@ -47,7 +47,7 @@ def test_defaults_cover_every_method_in_fresh_processes():
 
 
 def _row(tpot, **phases):
-    return {"tpot_s": tpot, "tt2t_s": 1.0, "breakdown": {p: phases.get(p, 0.0) for p in decode.BREAKDOWN}}
+    return {decode.TPOT: tpot, "tt2t_s": 1.0, "breakdown": {p: phases.get(p, 0.0) for p in decode.BREAKDOWN}}
 
 
 def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):

@@ -12,9 +12,6 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("icecache", "baselines", "evals")
 KERNELS = {"icecache/dci/_kernels.py"}  # numba kernels: exempt from the size rule
 # modules the IceCache page-table refactor (issue 17, item 3) rewrites; drop each entry once it lands
-PENDING = {"icecache/method.py", "icecache/offload.py", "icecache/dci/__init__.py", "icecache/dci/config.py",
-           "icecache/dci/index.py", "icecache/dci/levels.py", "icecache/dci/parents.py",
-           "icecache/dci/transform.py", "icecache/dci/_kernels.py", "evals/bench/decode.py"}
 MAX_LINES = 450
 OUTSIDE = re.compile(r"reference/\w+\.md|DESIGN\.md|(?:evals|baselines|icecache)\.md\b|\.\./shared/(?!data\b)")
 
@@ -42,13 +39,12 @@ def test_imports_run_one_way(package, forbidden):
 def test_no_source_module_exceeds_the_size_limit():
     too_long = {str(p.relative_to(REPO)): n for p in [*sources(*PACKAGES, "scripts"), REPO / "run.py"]
                 if (n := len(p.read_text().splitlines())) > MAX_LINES
-                and str(p.relative_to(REPO)) not in KERNELS | PENDING}
+                and str(p.relative_to(REPO)) not in KERNELS}
     assert not too_long
 
 
 def test_code_cites_no_file_outside_the_repository():
     files = [*sources(*PACKAGES, "scripts", "tests"), REPO / "run.py", *REPO.glob("conf/**/*.yaml"),
              *REPO.glob("docs/*.md"), REPO / "README.md", REPO / "Makefile"]
-    cited = {str(p.relative_to(REPO)): OUTSIDE.findall(p.read_text()) for p in files
-             if str(p.relative_to(REPO)) not in PENDING}
+    cited = {str(p.relative_to(REPO)): OUTSIDE.findall(p.read_text()) for p in files}
     assert not {k: v for k, v in cited.items() if v}

@@ -2,13 +2,15 @@
 side, its growth with the context, and ratios to the full cache. ``python -m evals.bench.decode
 [--methods ...] [--lengths ...]`` (defaults: all registered methods, 2k..32k tokens, budget 256).
 
-For each (method, length): TT2T, TTFT, TPOT (median over tokens 3..N, and mean) and the TPOT breakdown
+For each (method, length): TT2T, TTFT, TPOT over tokens 3..N (``tpot_s`` the mean, as in every
+``timing.json``; ``tpot_p50_s`` the median, which the printed table and the summary use because one
+stalled step on a shared machine moves the mean; :func:`evals.timing.tpot_stats`) and the TPOT breakdown
 (select / transfer / attention / update / other, seconds per output token), with EOS ignored so every
 method decodes the same number of tokens. The summary gives, per method, TPOT at every length and its
 growth from ``--growth-from`` to ``--growth-to`` (4k -> 32k): the context-growing part of TPOT in
 milliseconds and as a ratio (on the median TPOT), split by phase (per-token means: which phase grows
 with the context; ``other`` = step time outside the cache's phases: MLPs, projections, LM head). Writes
-``bench_decode.json`` as ``{method: {length: {"tt2t_s", "tpot_s", "breakdown": {...}}}, "summary": {...},
+``bench_decode.json`` as ``{method: {length: {"tt2t_s", "tpot_s", "tpot_p50_s", "breakdown": {...}}}, "summary": {...},
 "environment": {...}}``.
 
 Every (method, length) cell runs in a fresh process by default (``--in-process`` to share one), so no
@@ -34,7 +36,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see run.py
 import argparse  # noqa: E402
 import json
 import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,10 +46,12 @@ from evals.harness import REPO_ROOT
 from evals.latency import Latency
 from evals.registry import METHODS, make_method
 from evals.runner import generate
-from evals.timing import environment
+from evals.timing import environment, tpot_stats
 from icecache.hardware import cpu_info
 from icecache.kv.timing import PHASES
 from icecache.models import load_model, load_tokenizer
+
+TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the median per-token interval
 
 DEFAULT_METHODS = tuple(METHODS)  # full, streaming_llm, h2o, snapkv, quest, topk, pqcache, omnikv, magicpig, ...
 BREAKDOWN = (*PHASES, "other")
@@ -64,8 +67,7 @@ def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], n
     gen = generate(model, tokenizer, make_method(method, budget=None if method == "full" else budget),
                    prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
-    return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, "tpot_s": statistics.median(gen.intervals_s),
-            "tpot_mean_s": statistics.fmean(gen.intervals_s),
+    return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
             "peak_memory_bytes": gen.peak_memory_bytes}
@@ -179,7 +181,7 @@ def print_cell(method: str, length: int, row: dict) -> None:
         print(f"{method:>15} {length:>6}: FAILED {row['error'].strip().splitlines()[-1]}", flush=True)
         return
     rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
-    print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row['tpot_s']:.2f} ms  " +
+    print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row[TPOT]:.2f} ms  " +
           " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss, flush=True)
 
 
@@ -197,27 +199,27 @@ def growth(rows: dict, lo: int, hi: int) -> dict | None:
     if len(inside) < 2:
         return None
     a, b = rows[str(inside[0])], rows[str(inside[-1])]
-    return {"from": inside[0], "to": inside[-1], "growth_s": b["tpot_s"] - a["tpot_s"],
-            "growth_x": b["tpot_s"] / a["tpot_s"],
+    return {"from": inside[0], "to": inside[-1], "growth_s": b[TPOT] - a[TPOT],
+            "growth_x": b[TPOT] / a[TPOT],
             "phase_growth_s": {p: b["breakdown"].get(p, 0.0) - a["breakdown"].get(p, 0.0) for p in BREAKDOWN}}
 
 
 def summary(results: dict, lo: int, hi: int) -> dict:
     """Per method: TPOT by length and its growth from ``lo`` to ``hi`` (see :func:`growth`)."""
-    return {m: {"tpot_s": {L: r["tpot_s"] for L, r in rows.items()}, "growth": growth(rows, lo, hi)}
+    return {m: {TPOT: {L: r[TPOT] for L, r in rows.items()}, "growth": growth(rows, lo, hi)}
             for m, rows in method_rows(results).items() if rows}
 
 
 def print_summary(results: dict, lo: int, hi: int) -> None:
     table = summary(results, lo, hi)
-    lengths = sorted({int(L) for t in table.values() for L in t["tpot_s"]})
+    lengths = sorted({int(L) for t in table.values() for L in t[TPOT]})
     if not lengths:
         return
-    print(f"\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
+    print("\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
     print(f"{'method':>15} " + " ".join(f"{L:>8}" for L in lengths) + f" {'growth':>16}  " +
           " ".join(f"{p:>9}" for p in BREAKDOWN))
     for method, t in table.items():
-        cells = " ".join(f"{1000 * t['tpot_s'][str(L)]:8.2f}" if str(L) in t["tpot_s"] else f"{'-':>8}"
+        cells = " ".join(f"{1000 * t[TPOT][str(L)]:8.2f}" if str(L) in t[TPOT] else f"{'-':>8}"
                          for L in lengths)
         g = t["growth"]
         grown = (f"{1000 * g['growth_s']:+8.2f} {g['growth_x']:5.2f}x  " +
@@ -248,7 +250,7 @@ def print_ratios(results: dict) -> None:
         if method == "full":
             continue
         full = results["full"]
-        cells = [f"{L}: {r['tt2t_s'] / full[L]['tt2t_s']:.2f} / {r['tpot_s'] / full[L]['tpot_s']:.2f}"
+        cells = [f"{L}: {r['tt2t_s'] / full[L]['tt2t_s']:.2f} / {r[TPOT] / full[L][TPOT]:.2f}"
                  for L, r in rows.items() if L in full]
         print(f"{method:>15}  " + "  ".join(cells))
 
