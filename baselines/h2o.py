@@ -85,7 +85,7 @@ class H2O(KVMethod):
     def recent_size(self) -> int:
         return self.budget - self.heavy_size
 
-    def new_state(self, layer_idx: int) -> PerHeadState:
+    def make_state(self, layer_idx: int) -> PerHeadState:
         return PerHeadState(layer_idx)
 
     def store(self, st: PerHeadState, k: torch.Tensor, v: torch.Tensor) -> None:

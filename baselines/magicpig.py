@@ -206,7 +206,7 @@ class MagicPIG(KVMethod):
         bits = max(self.n_bits, self.max_bits if self.calibrate else 0)
         self.proj = torch.randn(spec.head_dim, self.n_tables, bits, generator=generator)
 
-    def new_state(self, layer_idx: int) -> PigState:
+    def make_state(self, layer_idx: int) -> PigState:
         return PigState(layer_idx)
 
     def is_budgeted(self, layer_idx: int) -> bool:

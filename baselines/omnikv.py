@@ -78,6 +78,7 @@ class OmniState(LayerState):
         self.part_k: torch.Tensor | None = None
         self.part_v: torch.Tensor | None = None
         self.selected: torch.Tensor | None = None
+        self.selected_at = -1  # n_seen at the filter layer's last selection
 
 
 @dataclass
@@ -97,7 +98,6 @@ class OmniKV(KVMethod):
     selector: str = "last"
     name: ClassVar[str] = "omnikv"
     roles: dict = field(default_factory=dict, init=False, repr=False)  # layer -> (role, its filter layer)
-    shared: dict = field(default_factory=dict, init=False, repr=False)  # filter -> (step, selected positions)
 
     def validate(self) -> None:
         if self.selector not in SELECTORS:
@@ -116,7 +116,7 @@ class OmniKV(KVMethod):
             raise ValueError(f"omnikv: filter_layers {filters} must be layers of a {spec.n_layers}-layer model")
         self.roles = layer_roles(spec.n_layers, filters, self.wait_layers)
 
-    def new_state(self, layer_idx: int) -> OmniState:
+    def make_state(self, layer_idx: int) -> OmniState:
         return OmniState(layer_idx)
 
     def is_budgeted(self, layer_idx: int) -> bool:
@@ -134,14 +134,14 @@ class OmniKV(KVMethod):
         role, group = self.roles[st.layer_idx]
         if role == "filter":
             st.selected = select_tokens(q, st.k[:, :st.n_prompt], self.spec.scaling, self.budget, self.selector)
-            self.shared[group] = (st.n_seen, st.selected)
+            st.selected_at = st.n_seen
         if role != "sparse":
             return None
-        step, selected = self.shared[group]
-        if step != st.n_seen:
+        source = self.layer_states[group]
+        if source.selected_at != st.n_seen:
             raise RuntimeError(f"omnikv: layer {st.layer_idx} found no selection of filter layer {group} "
                                f"for this step")
-        return selected
+        return source.selected
 
     def fetch(self, st: OmniState, selection: torch.Tensor | None) -> Fetched:
         if selection is None:

@@ -148,7 +148,7 @@ class PQCache(KVMethod):
             raise ValueError(f"pqcache: head_dim {spec.head_dim} is not divisible by n_subvec={self.n_subvec}")
         super().bind(spec)
 
-    def new_state(self, layer_idx: int) -> PQState:
+    def make_state(self, layer_idx: int) -> PQState:
         return PQState(layer_idx)
 
     # ------------------------------------------------------------------ prefill

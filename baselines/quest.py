@@ -87,7 +87,7 @@ class Quest(KVMethod):
     def is_budgeted(self, layer_idx: int) -> bool:
         return layer_idx >= self.n_dense_layers
 
-    def new_state(self, layer_idx: int) -> QuestState:
+    def make_state(self, layer_idx: int) -> QuestState:
         return QuestState(layer_idx)
 
     def store(self, st: QuestState, k: torch.Tensor, v: torch.Tensor) -> None:

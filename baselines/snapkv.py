@@ -87,7 +87,7 @@ class SnapKV(KVMethod):
             if value not in valid:
                 raise ValueError(f"snapkv: {field_name} must be one of {valid}, got '{value}'")
 
-    def new_state(self, layer_idx: int) -> PerHeadState:
+    def make_state(self, layer_idx: int) -> PerHeadState:
         return PerHeadState(layer_idx)
 
     def store(self, st: PerHeadState, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ class TopKOracle(KVMethod):
         if self.group_agg not in KV_RANKINGS:
             raise ValueError(f"topk: group_agg must be one of {KV_RANKINGS}, got '{self.group_agg}'")
 
-    def new_state(self, layer_idx: int) -> AttendedSetState:
+    def make_state(self, layer_idx: int) -> AttendedSetState:
         return AttendedSetState(layer_idx)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

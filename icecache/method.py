@@ -56,7 +56,7 @@ bytes copied from the store to the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -170,7 +170,6 @@ class IceCache(KVMethod):
     seed: int = 0
     name: ClassVar[str] = "icecache"
     example_budget: ClassVar[int] = 128
-    _states: dict = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ configuration
     def __post_init__(self) -> None:
@@ -221,9 +220,8 @@ class IceCache(KVMethod):
                          search_ratio=self.search_ratio, min_fov=self.min_fov,
                          prop_to_retrieve=self.prop_to_retrieve, seed=self.seed)
 
-    def new_state(self, layer_idx: int) -> IceState:
-        self._states[layer_idx] = IceState(layer_idx)
-        return self._states[layer_idx]
+    def make_state(self, layer_idx: int) -> IceState:
+        return IceState(layer_idx)
 
     def is_budgeted(self, layer_idx: int) -> bool:
         return layer_idx >= self.n_dense_layers
@@ -409,7 +407,7 @@ class IceCacheReuse(IceCache):
         return self.anchor_of(layer_idx) == layer_idx
 
     def page_source(self, st: IceState) -> IceState:
-        return self._states[self.anchor_of(st.layer_idx)]
+        return self.layer_states[self.anchor_of(st.layer_idx)]
 
     def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         anchor = self.page_source(st)

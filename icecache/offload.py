@@ -134,7 +134,6 @@ class OffloadStore(HostKV):
         self.device_transit = torch.empty_like(self.transit, device=self.device) if self.pin else None
         self.stream = torch.cuda.Stream(self.device) if self.pin else None
         self.copied = None  # CUDA event: the last transit -> device copy finished reading the transit buffer
-        self.bytes_moved = 0
 
     @property
     def max_blocks(self) -> int:
@@ -184,7 +183,6 @@ class OffloadStore(HostKV):
         used = self.transit_prefix(n_blocks)
         for kv, data in enumerate((self.k_data, self.v_data)):
             torch.index_select(data.view(-1, d), 0, rows, out=used[kv].view(-1, d))
-        self.bytes_moved += used.numel() * used.element_size()
         if self.stream is None:
             return used[0], used[1]
         dev = self.transit_prefix(n_blocks, device=True)

@@ -154,6 +154,7 @@ class KVMethod:
     example_budget: ClassVar[int] = 64  # suggested in the error when no budget is given
     spec: ModelSpec | None = field(default=None, init=False, repr=False)
     _executor: Any = field(default=None, init=False, repr=False)
+    layer_states: dict = field(default_factory=dict, init=False, repr=False)  # layer -> its state (new_state)
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -185,6 +186,12 @@ class KVMethod:
         self.spec = spec
 
     def new_state(self, layer_idx: int) -> LayerState:
+        """A layer's new state, also kept in ``layer_states``: the one way a layer reads another layer's state
+        (IceCache(reuse)'s anchors, OmniKV's filter layers). Subclasses override :meth:`make_state`."""
+        self.layer_states[layer_idx] = state = self.make_state(layer_idx)
+        return state
+
+    def make_state(self, layer_idx: int) -> LayerState:
         return LayerState(layer_idx)
 
     def is_budgeted(self, layer_idx: int) -> bool:
