@@ -10,7 +10,7 @@ import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.levels import assign_levels, level_sizes
-from icecache.dci.transform import (
+from dci_reference import (
     key_key_distance,
     key_projection,
     query_projection,

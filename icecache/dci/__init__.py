@@ -31,7 +31,7 @@ insert (a split can append page ids and reallocate). Page ``j`` of head 0 and pa
 hold different tokens. Slots ``0 .. valid-1`` of a page are used, in projection order.
 
 Algorithm (what the official C code ``src/dci.c`` does): the keys are lifted to ``T_K(k) = [k; sqrt(M^2 -
-|k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (``transform.py``); tokens are promoted to levels by
+|k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (computed inline by the kernels; ``tests/dci_reference.py`` is the plain reference); tokens are promoted to levels by
 the positional rule (``levels.py``); every point's parent is its nearest point one level up under
 ``D`` (``parents.py``); every node's children form its pages (``_kernels.bulk_load``); a query
 descends from the virtual root keeping ``max(floor(n*search_ratio), min_fov)`` nodes per level and

@@ -18,7 +18,6 @@ from .config import DCIConfig
 from .levels import assign_levels, level_sizes
 from .threads import one_blas_thread
 from .parents import assign_parents
-from .transform import random_direction
 
 
 def _as_f32(x: torch.Tensor) -> np.ndarray:
@@ -273,3 +272,10 @@ class MDCIIndex:
     def max_sq_norm(self) -> torch.Tensor:
         """``[H_kv]`` running maximum squared key norm ``M^2`` (``src/dci.c``)."""
         return torch.from_numpy(self.m2)
+
+
+def random_direction(dim: int, seed: int) -> torch.Tensor:
+    """The single random unit direction ``u`` in ``R^{dim}`` (Gaussian, normalised, seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(dim, generator=gen, dtype=torch.float64)
+    return (u / u.norm()).float()

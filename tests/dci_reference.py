@@ -1,4 +1,6 @@
-"""Inner product -> Euclidean transform of M-DCI (official ``src/dci.c``, transform and projection).
+"""Plain torch reference of M-DCI's inner product -> Euclidean transform (official ``src/dci.c``, transform and
+projection), which the index's numba kernels (``icecache/dci/_kernels.py``) compute inline; the tests check
+the kernels against it.
 
 Keys are lifted to ``T_K(k) = [k ; sqrt(M^2 - ||k||^2)]`` (norm ``M``) and queries to
 ``T_Q(q) = [q / ||q|| ; 0]`` (norm 1), so ``||T_Q(q) - T_K(k)||^2 = 1 + M^2 - 2 q.k / ||q||``
@@ -55,10 +57,3 @@ def key_projection(keys: torch.Tensor, u: torch.Tensor, m2: torch.Tensor) -> tor
 def query_projection(queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``p(q) = u_{1:d}.q / ||q||`` (``src/dci.c``)."""
     return transform_queries(queries) @ u
-
-
-def random_direction(dim: int, seed: int) -> torch.Tensor:
-    """The single random unit direction ``u`` in ``R^{dim}`` (Gaussian, normalised, seeded)."""
-    gen = torch.Generator().manual_seed(seed)
-    u = torch.randn(dim, generator=gen, dtype=torch.float64)
-    return (u / u.norm()).float()
