@@ -272,15 +272,3 @@ def test_prefill_buffers_are_sized_to_the_prompt():
     for st in cache.states:
         assert st.buffers["k"].shape[1] == st.buffers["v"].shape[1] == grown_capacity(500) < 2 * 500
         assert st.buffers["pos"].shape[0] == grown_capacity(500)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA peak-memory statistics")
-def test_peak_memory_is_per_generation_on_cuda():  # pragma: no cover - GPU machines
-    from evals.registry import make_method
-    from evals.runner import generate
-
-    model = build_tiny("tiny-llama", 2, 4).cuda()
-    long = generate(model, None, make_method("full"), list(range(4000)), 4, ignore_eos=True)
-    short = generate(model, None, make_method("full"), list(range(100)), 4, ignore_eos=True)
-    assert long.peak_memory_bytes > short.peak_memory_bytes > 0
-    assert short.timing()["peak_memory_bytes"] == short.peak_memory_bytes
