@@ -1,18 +1,23 @@
 """numba kernels of M-DCI: page bulk load, top-down page search, incremental insert (official ``src/dci.c``).
 
-Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capacity):
+Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capacity), passed to the
+kernels as three named tuples of arrays (:class:`Pages`, :class:`Nodes`, :class:`Tokens`; the
+``MDCIIndex`` attribute of each field is in brackets):
 
-- ``page_keys [H, P, S, d]`` fp32 keys in page layout (a node's children are scored page by page,
-  contiguous in memory), ``page_uk [H, P, S]`` = ``u_{1:d}.k``, ``page_proj [H, P, S]`` = ``p(k)``,
-  ``page_loc [H, P, S]`` local token index, ``page_abs [H, P, S]`` absolute token id (-1 = empty).
-- ``page_valid [H, P]`` used slots, ``page_next [H, P]`` next page of the same parent (-1 = last),
-  ``page_node [H, P]`` the parent node owning the page.
-- ``node_first [H, N]``, ``node_npages [H, N]``, ``node_nleaf [H, N]`` (level-0 pages below the node),
-  ``node_m2 [H, N]`` (the ``M^2`` its children's projections use, ``src/dci.c``); node 0 = virtual root,
-  node ``i + 1`` = token ``i``.
-- ``tok_page [H, n]``, ``tok_slot [H, n]``: where each token sits; ``parent [H, n]`` its parent node.
+- ``Pages``: ``keys [H, P, S, d]`` fp32 keys in page layout (a node's children are scored page by
+  page, contiguous in memory) (``page_keys``), ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
+  ``proj [H, P, S]`` = ``p(k)`` (``page_proj``), ``loc [H, P, S]`` local token index (``page_loc``),
+  ``abs [H, P, S]`` absolute token id, -1 = empty (``page_abs``); ``valid [H, P]`` used slots
+  (``page_valid_np``), ``next [H, P]`` next page of the same parent, -1 = last (``page_next``),
+  ``node [H, P]`` the parent node owning the page (``page_node``); ``used [H]`` pages in use
+  per head (``n_pages_h``).
+- ``Nodes``: ``first [H, N]``, ``npages [H, N]`` (``node_first``, ``node_npages``), ``nleaf [H, N]``
+  level-0 pages below the node (``node_nleaf``), ``m2 [H, N]`` the ``M^2`` its children's projections
+  use, ``src/dci.c`` (``node_m2``); node 0 = virtual root, node ``i + 1`` = token ``i``.
+- ``Tokens``: ``sq [H, n]`` squared key norms (``sq``), ``parent [H, n]`` parent node (``parent``),
+  ``page [H, n]``, ``slot [H, n]`` where each token sits (``tok_page``, ``tok_slot``).
 
-Invariant: a node's pages, followed through ``page_next``, hold its children sorted by projection
+Invariant: a node's pages, followed through ``Pages.next``, hold its children sorted by projection
 (slots sorted inside a page, pages in increasing order), so "the children closest in projection to
 ``p(q)``" are one contiguous run.
 """
@@ -20,6 +25,7 @@ Invariant: a node's pages, followed through ``page_next``, hold its children sor
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, prange
@@ -27,63 +33,75 @@ from numba import njit, prange
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 
+# the index's arrays (module docstring); the tuples hold references, so kernels write in place
+Pages = namedtuple("Pages", "keys uk proj loc abs valid next node used")
+Nodes = namedtuple("Nodes", "first npages nleaf m2")
+Tokens = namedtuple("Tokens", "sq parent page slot")
+
 
 # ----------------------------------------------------------------------------- bulk load (``src/dci.c`` construction)
 
 @njit(cache=True, nogil=True, parallel=True)
-def bulk_load(parent, proj, uk, keys, tok_abs, page_size, page_keys, page_uk, page_proj, page_loc,
-              page_abs, page_valid, page_next, page_node, node_first, node_npages, tok_page,
-              tok_slot, n_pages):
-    """Cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages."""
-    heads, n = parent.shape
-    n_nodes = n + 1
-    for h in prange(heads):  # heads own disjoint slices of every array
-        count = np.zeros(n_nodes + 1, dtype=np.int64)
-        for i in range(n):
-            count[parent[h, i] + 1] += 1
-        for v in range(n_nodes):
-            count[v + 1] += count[v]
-        order = np.empty(n, dtype=np.int64)
-        fill = count[:-1].copy()
-        for i in range(n):
-            v = parent[h, i]
-            order[fill[v]] = i
-            fill[v] += 1
-        pg = 0
-        for v in range(n_nodes):
-            lo, hi = count[v], count[v + 1]
-            c = hi - lo
-            if c == 0:
-                continue
-            seg = order[lo:hi]
-            seg = seg[np.argsort(proj[h, seg], kind="mergesort")]
-            pages_left = (c + page_size - 1) // page_size
-            node_first[h, v] = pg
-            node_npages[h, v] = pages_left
-            pos = 0
-            while pages_left > 0:
-                take = (c - pos) // pages_left
-                for s in range(take):
-                    i = seg[pos + s]
-                    page_keys[h, pg, s, :] = keys[h, i, :]
-                    page_uk[h, pg, s] = uk[h, i]
-                    page_proj[h, pg, s] = proj[h, i]
-                    page_loc[h, pg, s] = i
-                    page_abs[h, pg, s] = tok_abs[i]
-                    tok_page[h, i] = pg
-                    tok_slot[h, i] = s
-                page_valid[h, pg] = take
-                page_node[h, pg] = v
-                page_next[h, pg] = pg + 1 if pages_left > 1 else -1
-                pos += take
-                pages_left -= 1
-                pg += 1
-        n_pages[h] = pg
+def bulk_load(parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens):
+    """Cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages
+    (fills ``pages``, ``nodes.first``, ``nodes.npages``, ``tokens.page`` and ``tokens.slot``)."""
+    for h in prange(parent.shape[0]):  # heads own disjoint slices of every array
+        # one call per head: numba (0.68) can lose stores through a tuple's fields made directly
+        # in a prange body (seen on ``pages.used``), not those made in a called function
+        _load_head(h, parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens)
 
 
 @njit(cache=True, nogil=True)
-def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
-    """``node_nleaf``: number of level-0 pages in each node's subtree (``num_finest_level_nodes``)."""
+def _load_head(h, parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens):
+    """:func:`bulk_load` of head ``h``."""
+    n = parent.shape[1]
+    n_nodes = n + 1
+    count = np.zeros(n_nodes + 1, dtype=np.int64)
+    for i in range(n):
+        count[parent[h, i] + 1] += 1
+    for v in range(n_nodes):
+        count[v + 1] += count[v]
+    order = np.empty(n, dtype=np.int64)
+    fill = count[:-1].copy()
+    for i in range(n):
+        v = parent[h, i]
+        order[fill[v]] = i
+        fill[v] += 1
+    pg = 0
+    for v in range(n_nodes):
+        lo, hi = count[v], count[v + 1]
+        c = hi - lo
+        if c == 0:
+            continue
+        seg = order[lo:hi]
+        seg = seg[np.argsort(proj[h, seg], kind="mergesort")]
+        pages_left = (c + page_size - 1) // page_size
+        nodes.first[h, v] = pg
+        nodes.npages[h, v] = pages_left
+        pos = 0
+        while pages_left > 0:
+            take = (c - pos) // pages_left
+            for s in range(take):
+                i = seg[pos + s]
+                pages.keys[h, pg, s, :] = keys[h, i, :]
+                pages.uk[h, pg, s] = uk[h, i]
+                pages.proj[h, pg, s] = proj[h, i]
+                pages.loc[h, pg, s] = i
+                pages.abs[h, pg, s] = tok_abs[i]
+                tokens.page[h, i] = pg
+                tokens.slot[h, i] = s
+            pages.valid[h, pg] = take
+            pages.node[h, pg] = v
+            pages.next[h, pg] = pg + 1 if pages_left > 1 else -1
+            pos += take
+            pages_left -= 1
+            pg += 1
+    pages.used[h] = pg
+
+
+@njit(cache=True, nogil=True)
+def leaf_page_counts(parent, level, by_level, nodes):
+    """``nodes.nleaf``: number of level-0 pages in each node's subtree (``num_finest_level_nodes``)."""
     heads = parent.shape[0]
     for h in range(heads):
         for i in by_level:
@@ -91,17 +109,16 @@ def leaf_page_counts(parent, level, by_level, node_npages, node_nleaf):
             if t == 0:
                 continue
             if t == 1:
-                node_nleaf[h, i + 1] = node_npages[h, i + 1]
-            node_nleaf[h, parent[h, i]] += node_nleaf[h, i + 1]
+                nodes.nleaf[h, i + 1] = nodes.npages[h, i + 1]
+            nodes.nleaf[h, parent[h, i]] += nodes.nleaf[h, i + 1]
         if level.size and level.max() == 0:
-            node_nleaf[h, 0] = node_npages[h, 0]
+            nodes.nleaf[h, 0] = nodes.npages[h, 0]
 
 
 # ----------------------------------------------------------------------------- query (``dci_query``)
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_touched, cand_s,
-                cand_v, nc):
+def _score_page(h, qv, pg, s0, s1, upper, pages, best, touched, n_touched, cand_s, cand_v, nc):
     """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of page ``pg``: updates the page's best score
     and, above level 0, appends (score, node index) of each child. Returns ``(n_touched, nc)``."""
     d = qv.shape[0]
@@ -112,19 +129,19 @@ def _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best, touched, n_
     for s in range(s0, s1):
         acc = np.float32(0.0)
         for j in range(d):
-            acc += qv[j] * page_keys[h, pg, s, j]
+            acc += qv[j] * pages.keys[h, pg, s, j]
         top = max(top, acc)
         if upper:
             cand_s[nc] = acc
-            cand_v[nc] = page_loc[h, pg, s] + 1
+            cand_v[nc] = pages.loc[h, pg, s] + 1
             nc += 1
     best[pg] = top
     return n_touched, nc
 
 
 @njit(cache=True, nogil=True)
-def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, page_proj, page_loc,
-                page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl):
+def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
+                pos_sl):
     """The C code's visiting order inside one node (``dci_next_closest_proj``): from the position
     of ``p(q)`` among the ``c`` children (sorted by projection), chunks of up to ``chunk`` children
     (``CLOSEST`` = 128 in the C code),
@@ -136,16 +153,16 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
     ``[lo, hi)`` (positions in ``pos_pg``/``pos_sl``, filled here).
     """
     i = 0
-    pg = node_first[h, node]
+    pg = nodes.first[h, node]
     left = -1  # last child with projection < p(q)
-    for _ in range(node_npages[h, node]):
-        for s in range(page_valid[h, pg]):
+    for _ in range(nodes.npages[h, node]):
+        for s in range(pages.valid[h, pg]):
             pos_pg[i] = pg
             pos_sl[i] = s
-            if page_proj[h, pg, s] < qp:
+            if pages.proj[h, pg, s] < qp:
                 left = i
             i += 1
-        pg = page_next[h, pg]
+        pg = pages.next[h, pg]
     right = left + 1
     want = max(int(math.ceil(prop * c - 1e-9)), 1)
     scored = 0
@@ -156,8 +173,8 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
         elif right >= c:
             from_right = False
         else:
-            from_right = (page_proj[h, pos_pg[right], pos_sl[right]] - qp
-                          < qp - page_proj[h, pos_pg[left], pos_sl[left]])
+            from_right = (pages.proj[h, pos_pg[right], pos_sl[right]] - qp
+                          < qp - pages.proj[h, pos_pg[left], pos_sl[left]])
         take = chunk
         while take > 0 and (left >= 0 or right < c):
             if (from_right and right < c) or left < 0:
@@ -167,7 +184,7 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
                 i = left
                 left -= 1
             if upper:
-                leaves += node_nleaf[h, page_loc[h, pos_pg[i], pos_sl[i]] + 1]
+                leaves += nodes.nleaf[h, pages.loc[h, pos_pg[i], pos_sl[i]] + 1]
             scored += 1
             take -= 1
         if scored >= want and scored >= need_scored and leaves >= need_leaves:
@@ -176,45 +193,43 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, page_keys, page_proj, page_loc,
-            page_valid, page_next, node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
-            touched, n_touched, cand_s, cand_v, nc):
+def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl,
+            best, touched, n_touched, cand_s, cand_v, nc):
     """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
     index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= chunk``
     children is scored in full (the first chunk takes them all). Returns ``(n_touched, nc)``."""
     c = 0
-    pg = node_first[h, node]
-    for _ in range(node_npages[h, node]):
-        c += page_valid[h, pg]
-        pg = page_next[h, pg]
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        c += pages.valid[h, pg]
+        pg = pages.next[h, pg]
     if c == 0:
         return n_touched, nc
     lo, hi = 0, c
     if c > chunk:
-        lo, hi = _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, page_proj,
-                             page_loc, page_valid, page_next, node_first, node_npages, node_nleaf,
-                             pos_pg, pos_sl)
+        lo, hi = _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages,
+                             nodes, pos_pg, pos_sl)
     i = 0  # position of the first slot of page pg in the node's sorted child list
-    pg = node_first[h, node]
-    for _ in range(node_npages[h, node]):
-        v = page_valid[h, pg]
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        v = pages.valid[h, pg]
         s0 = max(lo - i, 0)
         s1 = min(hi - i, v)
         if s0 < s1:
-            n_touched, nc = _score_page(h, qv, pg, s0, s1, upper, page_keys, page_loc, best,
-                                        touched, n_touched, cand_s, cand_v, nc)
+            n_touched, nc = _score_page(h, qv, pg, s0, s1, upper, pages, best, touched, n_touched,
+                                        cand_s, cand_v, nc)
         i += v
-        pg = page_next[h, pg]
+        pg = pages.next[h, pg]
     return n_touched, nc
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
-                page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
-                node_nleaf, out_row, score_row):
+def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes,
+                out_row, score_row):
     """Top-down search of one query head (see :func:`search`); writes the ``C = len(out_row)`` best
     pages into ``out_row`` and their best token's ``q.k`` into ``score_row`` (the descent itself is
     steered by ``k_pages``, so ``C`` only widens what is reported)."""
+    n_pages_h = pages.used[h]
     best = np.full(n_pages_h, -np.inf, dtype=np.float32)
     touched = np.empty(n_pages_h, dtype=np.int64)
     pos_pg = np.empty(max_children, dtype=np.int64)
@@ -233,18 +248,17 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_up
         nc = 0
         for a in range(n_kept):
             n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, need_scored, need_leaves, upper,
-                                    page_keys, page_proj, page_loc, page_valid, page_next,
-                                    node_first, node_npages, node_nleaf, pos_pg, pos_sl, best,
-                                    touched, n_touched, cand_s, cand_v, nc)
+                                    pages, nodes, pos_pg, pos_sl, best, touched, n_touched, cand_s,
+                                    cand_v, nc)
         if not upper or nc == 0:
             break
         order = np.argsort(-cand_s[:nc])
         n_kept = min(fov, nc)
         leaves = 0
         for a in range(n_kept):
-            leaves += node_nleaf[h, cand_v[order[a]]]
+            leaves += nodes.nleaf[h, cand_v[order[a]]]
         while leaves < k_pages and n_kept < nc:
-            leaves += node_nleaf[h, cand_v[order[n_kept]]]
+            leaves += nodes.nleaf[h, cand_v[order[n_kept]]]
             n_kept += 1
         for a in range(n_kept):
             kept[a] = cand_v[order[a]]
@@ -272,9 +286,8 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_pages_h, n_up
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n_upper, max_children,
-           page_keys, page_proj, page_loc, page_valid, page_next, node_first, node_npages,
-           node_nleaf, out, out_scores):
+def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes,
+           out, out_scores):
     """Top-down page search of every query head (``dci_query``), in parallel over query heads; writes
     ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
     padded), ``C >= k_pages``.
@@ -296,9 +309,8 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_pages_h, n
             norm += qv[j] * qv[j]
             qp += u[j] * qv[j]
         qp /= max(math.sqrt(norm), 1e-30)
-        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, chunk, top_level, n_pages_h[h], n_upper,
-                    max_children, page_keys, page_proj, page_loc, page_valid, page_next,
-                    node_first, node_npages, node_nleaf, out[qh], out_scores[qh])
+        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, chunk, top_level, n_upper, max_children,
+                    pages, nodes, out[qh], out_scores[qh])
 
 
 # ----------------------------------------------------------------------------- insert (``dci_add``)
@@ -351,64 +363,64 @@ def insert_parents(new_keys, u, m2, sim, l1_sq, l1_loc):
 
 
 @njit(cache=True, nogil=True)
-def _node_pages(h, node, page_next, node_first, node_npages):
-    pages = np.empty(node_npages[h, node], dtype=np.int64)
-    pg = node_first[h, node]
-    for a in range(pages.size):
-        pages[a] = pg
-        pg = page_next[h, pg]
-    return pages
+def _node_pages(h, node, pages, nodes):
+    """The pages of ``node``, in order (its ``next`` chain)."""
+    chain = np.empty(nodes.npages[h, node], dtype=np.int64)
+    pg = nodes.first[h, node]
+    for a in range(chain.size):
+        chain[a] = pg
+        pg = pages.next[h, pg]
+    return chain
 
 
 @njit(cache=True, nogil=True)
-def _reproject(h, node, m2, u_last, sq, page_keys, page_uk, page_proj, page_loc, page_abs,
-               page_valid, page_next, node_first, node_npages, node_m2, tok_page, tok_slot, changed):
+def _reproject(h, node, m2, u_last, pages, nodes, tokens, changed):
     """Lazy ``M`` correction of one node (``src/dci.c``): re-project its children with the head's new ``M^2``,
     re-sort them and re-pack them evenly into the node's pages; pages whose tokens moved are flagged."""
-    pages = _node_pages(h, node, page_next, node_first, node_npages)
+    chain = _node_pages(h, node, pages, nodes)
     c = 0
-    for pg in pages:
-        c += page_valid[h, pg]
-    d = page_keys.shape[3]
+    for pg in chain:
+        c += pages.valid[h, pg]
+    d = pages.keys.shape[3]
     keys = np.empty((c, d), dtype=np.float32)
     uk = np.empty(c, dtype=np.float32)
     proj = np.empty(c, dtype=np.float32)
     loc = np.empty(c, dtype=np.int64)
     absid = np.empty(c, dtype=np.int64)
     i = 0
-    for pg in pages:
-        for s in range(page_valid[h, pg]):
-            keys[i] = page_keys[h, pg, s]
-            uk[i] = page_uk[h, pg, s]
-            loc[i] = page_loc[h, pg, s]
-            absid[i] = page_abs[h, pg, s]
-            proj[i] = uk[i] + u_last * math.sqrt(max(m2 - sq[h, loc[i]], 0.0))
+    for pg in chain:
+        for s in range(pages.valid[h, pg]):
+            keys[i] = pages.keys[h, pg, s]
+            uk[i] = pages.uk[h, pg, s]
+            loc[i] = pages.loc[h, pg, s]
+            absid[i] = pages.abs[h, pg, s]
+            proj[i] = uk[i] + u_last * math.sqrt(max(m2 - tokens.sq[h, loc[i]], 0.0))
             i += 1
     order = np.argsort(proj, kind="mergesort")
     pos = 0
-    left = pages.size
-    for pg in pages:
+    left = chain.size
+    for pg in chain:
         take = (c - pos) // left
-        if take != page_valid[h, pg]:
+        if take != pages.valid[h, pg]:
             changed[h, pg] = True
         for s in range(take):
             i = order[pos + s]
-            if page_loc[h, pg, s] != loc[i]:
+            if pages.loc[h, pg, s] != loc[i]:
                 changed[h, pg] = True
-            page_keys[h, pg, s] = keys[i]
-            page_uk[h, pg, s] = uk[i]
-            page_proj[h, pg, s] = proj[i]
-            page_loc[h, pg, s] = loc[i]
-            page_abs[h, pg, s] = absid[i]
-            tok_page[h, loc[i]] = pg
-            tok_slot[h, loc[i]] = s
-        for s in range(take, page_valid[h, pg]):
-            page_loc[h, pg, s] = -1
-            page_abs[h, pg, s] = -1
-        page_valid[h, pg] = take
+            pages.keys[h, pg, s] = keys[i]
+            pages.uk[h, pg, s] = uk[i]
+            pages.proj[h, pg, s] = proj[i]
+            pages.loc[h, pg, s] = loc[i]
+            pages.abs[h, pg, s] = absid[i]
+            tokens.page[h, loc[i]] = pg
+            tokens.slot[h, loc[i]] = s
+        for s in range(take, pages.valid[h, pg]):
+            pages.loc[h, pg, s] = -1
+            pages.abs[h, pg, s] = -1
+        pages.valid[h, pg] = take
         pos += take
         left -= 1
-    node_m2[h, node] = m2
+    nodes.m2[h, node] = m2
 
 
 @njit(cache=True, nogil=True)
@@ -422,37 +434,35 @@ def _add_leaf_page(h, node, parent, node_nleaf):
 
 
 @njit(cache=True, nogil=True)
-def _split(h, pg, page_size, page_keys, page_uk, page_proj, page_loc, page_abs, page_valid,
-           page_next, page_node, tok_page, tok_slot, n_pages, changed):
+def _split(h, pg, page_size, pages, tokens, changed):
     """Split a full page in half; the upper half moves to a newly allocated page (returned)."""
-    new = n_pages[h]
-    n_pages[h] += 1
+    new = pages.used[h]
+    pages.used[h] += 1
     half = page_size // 2
     for s in range(half, page_size):
         t = s - half
-        page_keys[h, new, t] = page_keys[h, pg, s]
-        page_uk[h, new, t] = page_uk[h, pg, s]
-        page_proj[h, new, t] = page_proj[h, pg, s]
-        page_loc[h, new, t] = page_loc[h, pg, s]
-        page_abs[h, new, t] = page_abs[h, pg, s]
-        tok_page[h, page_loc[h, pg, s]] = new
-        tok_slot[h, page_loc[h, pg, s]] = t
-        page_loc[h, pg, s] = -1
-        page_abs[h, pg, s] = -1
-    page_valid[h, new] = page_size - half
-    page_valid[h, pg] = half
-    page_next[h, new] = page_next[h, pg]
-    page_next[h, pg] = new
-    page_node[h, new] = page_node[h, pg]
+        pages.keys[h, new, t] = pages.keys[h, pg, s]
+        pages.uk[h, new, t] = pages.uk[h, pg, s]
+        pages.proj[h, new, t] = pages.proj[h, pg, s]
+        pages.loc[h, new, t] = pages.loc[h, pg, s]
+        pages.abs[h, new, t] = pages.abs[h, pg, s]
+        tokens.page[h, pages.loc[h, pg, s]] = new
+        tokens.slot[h, pages.loc[h, pg, s]] = t
+        pages.loc[h, pg, s] = -1
+        pages.abs[h, pg, s] = -1
+    pages.valid[h, new] = page_size - half
+    pages.valid[h, pg] = half
+    pages.next[h, new] = pages.next[h, pg]
+    pages.next[h, pg] = new
+    pages.node[h, new] = pages.node[h, pg]
     changed[h, pg] = True
     changed[h, new] = True
     return new
 
 
 @njit(cache=True, nogil=True)
-def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, page_size, sq, parent, page_keys, page_uk, page_proj, page_loc, page_abs, page_valid,
-           page_next, page_node, node_first, node_npages, node_nleaf, node_m2, tok_page, tok_slot,
-           n_pages, changed):
+def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, page_size, pages, nodes,
+           tokens, changed):
     """Insert ``m`` new level-0 tokens per head into their parents' pages (``dci_add``).
 
     Parents are level-1 nodes (or the root of a one-level tree), so a new page is a level-0 page.
@@ -465,54 +475,50 @@ def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, p
         for a in range(m):
             node = new_parent[h, a]
             i = new_loc[a]
-            sq[h, i] = new_sq[h, a]
-            parent[h, i] = node
-            if node_npages[h, node] > 0 and node_m2[h, node] < m2[h]:
-                _reproject(h, node, m2[h], u_last, sq, page_keys, page_uk, page_proj, page_loc,
-                           page_abs, page_valid, page_next, node_first, node_npages, node_m2,
-                           tok_page, tok_slot, changed)
-            node_m2[h, node] = m2[h]
+            tokens.sq[h, i] = new_sq[h, a]
+            tokens.parent[h, i] = node
+            if nodes.npages[h, node] > 0 and nodes.m2[h, node] < m2[h]:
+                _reproject(h, node, m2[h], u_last, pages, nodes, tokens, changed)
+            nodes.m2[h, node] = m2[h]
             p = new_uk[h, a] + u_last * math.sqrt(max(m2[h] - new_sq[h, a], 0.0))
-            if node_npages[h, node] == 0:
-                pg = n_pages[h]
-                n_pages[h] += 1
-                page_next[h, pg] = -1
-                page_node[h, pg] = node
-                page_valid[h, pg] = 0
-                node_first[h, node] = pg
-                node_npages[h, node] = 1
-                _add_leaf_page(h, node, parent, node_nleaf)
+            if nodes.npages[h, node] == 0:
+                pg = pages.used[h]
+                pages.used[h] += 1
+                pages.next[h, pg] = -1
+                pages.node[h, pg] = node
+                pages.valid[h, pg] = 0
+                nodes.first[h, node] = pg
+                nodes.npages[h, node] = 1
+                _add_leaf_page(h, node, tokens.parent, nodes.nleaf)
             else:
-                pg = node_first[h, node]
-                nxt = page_next[h, pg]
-                while nxt >= 0 and page_proj[h, nxt, 0] <= p:
+                pg = nodes.first[h, node]
+                nxt = pages.next[h, pg]
+                while nxt >= 0 and pages.proj[h, nxt, 0] <= p:
                     pg = nxt
-                    nxt = page_next[h, pg]
-                if page_valid[h, pg] == page_size:
-                    new = _split(h, pg, page_size, page_keys, page_uk, page_proj, page_loc,
-                                 page_abs, page_valid, page_next, page_node, tok_page, tok_slot,
-                                 n_pages, changed)
-                    node_npages[h, node] += 1
-                    _add_leaf_page(h, node, parent, node_nleaf)
-                    if p >= page_proj[h, new, 0]:
+                    nxt = pages.next[h, pg]
+                if pages.valid[h, pg] == page_size:
+                    new = _split(h, pg, page_size, pages, tokens, changed)
+                    nodes.npages[h, node] += 1
+                    _add_leaf_page(h, node, tokens.parent, nodes.nleaf)
+                    if p >= pages.proj[h, new, 0]:
                         pg = new
-            s = page_valid[h, pg]
-            while s > 0 and page_proj[h, pg, s - 1] > p:
-                page_keys[h, pg, s] = page_keys[h, pg, s - 1]
-                page_uk[h, pg, s] = page_uk[h, pg, s - 1]
-                page_proj[h, pg, s] = page_proj[h, pg, s - 1]
-                page_loc[h, pg, s] = page_loc[h, pg, s - 1]
-                page_abs[h, pg, s] = page_abs[h, pg, s - 1]
-                tok_slot[h, page_loc[h, pg, s]] = s
+            s = pages.valid[h, pg]
+            while s > 0 and pages.proj[h, pg, s - 1] > p:
+                pages.keys[h, pg, s] = pages.keys[h, pg, s - 1]
+                pages.uk[h, pg, s] = pages.uk[h, pg, s - 1]
+                pages.proj[h, pg, s] = pages.proj[h, pg, s - 1]
+                pages.loc[h, pg, s] = pages.loc[h, pg, s - 1]
+                pages.abs[h, pg, s] = pages.abs[h, pg, s - 1]
+                tokens.slot[h, pages.loc[h, pg, s]] = s
                 s -= 1
-            page_keys[h, pg, s] = new_keys[h, a]
-            page_uk[h, pg, s] = new_uk[h, a]
-            page_proj[h, pg, s] = p
-            page_loc[h, pg, s] = i
-            page_abs[h, pg, s] = new_abs[a]
-            tok_page[h, i] = pg
-            tok_slot[h, i] = s
-            page_valid[h, pg] += 1
+            pages.keys[h, pg, s] = new_keys[h, a]
+            pages.uk[h, pg, s] = new_uk[h, a]
+            pages.proj[h, pg, s] = p
+            pages.loc[h, pg, s] = i
+            pages.abs[h, pg, s] = new_abs[a]
+            tokens.page[h, i] = pg
+            tokens.slot[h, i] = s
+            pages.valid[h, pg] += 1
             changed[h, pg] = True
-            most_pages = max(most_pages, node_npages[h, node])
+            most_pages = max(most_pages, nodes.npages[h, node])
     return most_pages

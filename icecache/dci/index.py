@@ -79,6 +79,17 @@ class MDCIIndex:
         self._l1_loc = np.zeros(0, dtype=np.int64)
         self._l1_keys_t = np.zeros((heads, dim, 0), dtype=np.float32)  # level-1 keys, [H, d, n1]
         self._l1_sq = np.zeros((heads, 0), dtype=np.float32)
+        self._pack()
+
+    def _pack(self) -> None:
+        """The kernels' named tuples of the storage arrays (``_kernels.Pages``, ``Nodes``, ``Tokens``):
+        references, no copies; rebuilt whenever :meth:`_ensure_tokens` / :meth:`_ensure_pages`
+        reallocate an array."""
+        self._pages = _kernels.Pages(self.page_keys, self.page_uk, self.page_proj, self.page_loc,
+                                     self.page_abs, self.page_valid_np, self.page_next,
+                                     self.page_node, self.n_pages_h)
+        self._nodes = _kernels.Nodes(self.node_first, self.node_npages, self.node_nleaf, self.node_m2)
+        self._tokens = _kernels.Tokens(self.sq, self.parent, self.tok_page, self.tok_slot)
 
     # ------------------------------------------------------------------------- construction
 
@@ -121,14 +132,12 @@ class MDCIIndex:
         pages = int(((children + s - 1) // s).sum(1).max())
         self._max_children = int(children.max())
         self._ensure_pages(pages + max(64, pages // 8))
-        _kernels.bulk_load(parent, proj, uk, k_np, self.tok_abs, s, self.page_keys,
-                           self.page_uk, self.page_proj, self.page_loc, self.page_abs,
-                           self.page_valid_np, self.page_next, self.page_node, self.node_first,
-                           self.node_npages, self.tok_page, self.tok_slot, self.n_pages_h)
+        _kernels.bulk_load(parent, proj, uk, k_np, self.tok_abs, s, self._pages, self._nodes,
+                           self._tokens)
         upper = np.flatnonzero(level > 0)
         by_level = upper[np.argsort(level[upper], kind="stable")].astype(np.int64)
         self.n_upper = int(upper.size)
-        _kernels.leaf_page_counts(parent, level, by_level, self.node_npages, self.node_nleaf)
+        _kernels.leaf_page_counts(parent, level, by_level, self._nodes)
         self._l1_loc = np.flatnonzero(level == 1).astype(np.int64)
         self._l1_keys_t = np.ascontiguousarray(k_np[:, self._l1_loc].transpose(0, 2, 1))
         self._l1_sq = np.ascontiguousarray(self.sq[:, self._l1_loc])
@@ -144,6 +153,7 @@ class MDCIIndex:
             setattr(self, name, _grow(getattr(self, name), axis, new, fill))
         for name, axis, fill in _NODE_ARRAYS:
             setattr(self, name, _grow(getattr(self, name), axis, new + 1, fill))
+        self._pack()
 
     def _ensure_pages(self, size: int) -> None:
         cap = self.page_keys.shape[1]
@@ -152,6 +162,7 @@ class MDCIIndex:
         new = max(size, 2 * cap)
         for name, axis, fill in _PAGE_ARRAYS:
             setattr(self, name, _grow(getattr(self, name), axis, new, fill))
+        self._pack()
 
     # ------------------------------------------------------------------------- query
 
@@ -180,10 +191,8 @@ class MDCIIndex:
         scores = np.empty((n_q, n_candidates), dtype=np.float32)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
-                        self.cfg.visit_chunk,
-                        self.top_level, self.n_pages_h, self.n_upper, self._max_children,
-                        self.page_keys, self.page_proj, self.page_loc, self.page_valid_np,
-                        self.page_next, self.node_first, self.node_npages, self.node_nleaf, out, scores)
+                        self.cfg.visit_chunk, self.top_level, self.n_upper, self._max_children,
+                        self._pages, self._nodes, out, scores)
         return torch.from_numpy(out), torch.from_numpy(scores)
 
     # ------------------------------------------------------------------------- insert
@@ -208,11 +217,7 @@ class MDCIIndex:
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
         most = _kernels.insert(k_np, uk, sq, parent, loc, abs_ids, self.m2, np.float32(self.u[-1]),
-                               self.cfg.page_size, self.sq, self.parent, self.page_keys,
-                               self.page_uk, self.page_proj, self.page_loc, self.page_abs,
-                               self.page_valid_np, self.page_next, self.page_node, self.node_first,
-                               self.node_npages, self.node_nleaf, self.node_m2, self.tok_page,
-                               self.tok_slot, self.n_pages_h, changed)
+                               self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
         self.n += m
         self._max_children = max(self._max_children, most * self.cfg.page_size)
         return torch.from_numpy(changed[:, : self.n_pages])
