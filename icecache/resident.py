@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.dci.gqa import find
+
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -46,12 +48,7 @@ def _assign(held, slot_tokens, want, heads, pages, slots):
             p = held[h, w]
             if p < 0:
                 continue
-            keep = False
-            for c in range(want.shape[1]):
-                if want[h, c] == p:
-                    keep = True
-                    break
-            if not keep:
+            if find(want[h], want.shape[1], p) < 0:
                 held[h, w] = -1
                 slot_tokens[h, w, :] = -1
         free = 0
@@ -59,12 +56,7 @@ def _assign(held, slot_tokens, want, heads, pages, slots):
             p = want[h, c]
             if p < 0:
                 continue
-            resident = False
-            for w in range(width):
-                if held[h, w] == p:
-                    resident = True
-                    break
-            if resident:
+            if find(held[h], width, p) >= 0:
                 continue
             while held[h, free] >= 0:
                 free += 1

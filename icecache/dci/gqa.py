@@ -11,6 +11,15 @@ MERGE_MODES = ("interleaved", "union", "mass", "max")
 SCORED_MODES = ("mass", "max")
 
 
+@njit(cache=True, nogil=True, inline="always")
+def find(row: np.ndarray, n: int, value) -> int:
+    """The first ``i < n`` with ``row[i] == value``, or -1 (a linear scan: these rows hold a few pages)."""
+    for i in range(n):
+        if row[i] == value:
+            return i
+    return -1
+
+
 @njit(cache=True, nogil=True)
 def _first_k_unique(pages: np.ndarray, group: int, k: int, out: np.ndarray) -> None:
     """``pages [H_q, K]``; per KV head read the group's ``[r, K]`` block rank-interleaved."""
@@ -22,12 +31,7 @@ def _first_k_unique(pages: np.ndarray, group: int, k: int, out: np.ndarray) -> N
                 p = pages[h * group + g, rank]
                 if p < 0 or c >= k:
                     continue
-                dup = False
-                for a in range(c):
-                    if out[h, a] == p:
-                        dup = True
-                        break
-                if not dup:
+                if find(out[h], c, p) < 0:
                     out[h, c] = p
                     c += 1
 
@@ -50,11 +54,7 @@ def _top_k_by_group_score(pages: np.ndarray, values: np.ndarray, group: int, k: 
                 if p < 0:
                     continue
                 v = values[h * group + g, rank]
-                found = -1
-                for a in range(n):
-                    if ids[a] == p:
-                        found = a
-                        break
+                found = find(ids, n, p)
                 if found < 0:
                     ids[n] = p
                     acc[n] = v
