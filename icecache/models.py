@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from icecache.hardware import dtype_choice, preferred_cpu_dtype
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -218,28 +220,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     although the weight-bound decode step of SmolLM2 was faster in bf16; fp32 is kept there because prefill
     dominates TT2T at long contexts and the CPU accuracy tables were measured in fp32."""
     if dtype == "auto":
-        if str(device).startswith("cuda"):
-            return torch.bfloat16
-        from icecache.hardware import preferred_cpu_dtype
-
-        return preferred_cpu_dtype()
+        return torch.bfloat16 if str(device).startswith("cuda") else preferred_cpu_dtype()
     return getattr(torch, dtype)
 
 
 def dtype_record(dtype: str, device: str) -> dict:
     """What ``model.dtype`` resolved to and why, for ``timing.json``: ``{"dtype", "dtype_requested",
     "dtype_rule"}`` plus, for ``auto`` on a CPU, the CPU model and its native-bf16 flags."""
-    resolved = str(resolve_dtype(dtype, device)).removeprefix("torch.")
-    if dtype != "auto":
-        return {"dtype": resolved, "dtype_requested": dtype, "dtype_rule": "explicit"}
-    if str(device).startswith("cuda"):
-        return {"dtype": resolved, "dtype_requested": "auto", "dtype_rule": "cuda: bfloat16"}
-    from icecache.hardware import dtype_choice
-
-    choice = dtype_choice()
-    return {"dtype": resolved, "dtype_requested": "auto",
-            "dtype_rule": "cpu: bfloat16 with amx_bf16/avx512_bf16, else float32",
-            "cpu_model": choice["cpu_model"], "cpu_bf16_flags": choice["bf16_flags"]}
+    if dtype == "auto" and not str(device).startswith("cuda"):
+        choice = dtype_choice()  # one read of /proc/cpuinfo: the dtype preferred_cpu_dtype picks, and why
+        return {"dtype": choice["dtype"], "dtype_requested": "auto",
+                "dtype_rule": "cpu: bfloat16 with amx_bf16/avx512_bf16, else float32",
+                "cpu_model": choice["cpu_model"], "cpu_bf16_flags": choice["bf16_flags"]}
+    return {"dtype": str(resolve_dtype(dtype, device)).removeprefix("torch."), "dtype_requested": dtype,
+            "dtype_rule": "explicit" if dtype != "auto" else "cuda: bfloat16"}
 
 
 def load_model(name: str, path: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
