@@ -408,3 +408,21 @@ def test_search_scored_extends_search_and_reports_exact_best_scores():
             tokens = table[h, p][table[h, p] >= 0]
             assert s == pytest.approx(float((keys[h, tokens] @ q[qh]).max()), rel=1e-4, abs=1e-4)
         assert scores[qh].tolist() == sorted(scores[qh].tolist(), reverse=True)
+
+
+@pytest.mark.parametrize("group, chunk", [(3, 128), (7, 128), (3, 4)])
+def test_group_search_equals_one_search_per_query_head(group, chunk):
+    """The query heads of a KV head search together (level 0 read once per group): every head's pages
+    and scores must equal its own search, here one search per query head (a group of one). ``chunk=4``
+    makes large nodes visit partial runs of children (the C code's chunked walk)."""
+    heads = 2
+    keys = _keys(heads, 1500, seed=5)
+    index = MDCIIndex.build(keys, torch.arange(1500), DCIConfig(ratio_1=0.02, visit_chunk=chunk))
+    index.insert(_keys(heads, 40, seed=6), torch.arange(1500, 1540))
+    q = torch.randn(heads * group, D, generator=torch.Generator().manual_seed(7))
+    pages, scores = index.search_scored(q, 3, 8)
+    for r in range(group):
+        rows = torch.arange(heads) * group + r  # query head r of every KV head: one per head, a group of 1
+        own_pages, own_scores = index.search_scored(q[rows], 3, 8)
+        assert torch.equal(pages[rows], own_pages)
+        assert torch.equal(scores[rows], own_scores)

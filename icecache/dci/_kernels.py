@@ -224,34 +224,26 @@ def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes,
-                out_row, score_row):
-    """Top-down search of one query head (see :func:`search`); writes the ``C = len(out_row)`` best
-    pages into ``out_row`` and their best token's ``q.k`` into ``score_row`` (the descent itself is
-    steered by ``k_pages``, so ``C`` only widens what is reported)."""
-    n_pages_h = pages.used[h]
-    best = np.full(n_pages_h, -np.inf, dtype=np.float32)
-    touched = np.empty(n_pages_h, dtype=np.int64)
-    pos_pg = np.empty(max_children, dtype=np.int64)
-    pos_sl = np.empty(max_children, dtype=np.int64)
+def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes, pos_pg,
+             pos_sl, best, touched, kept):
+    """The upper levels of one query head's top-down search (see :func:`search`): from the virtual root,
+    expand the kept nodes of a level, sort the children found by score and keep the smallest prefix whose
+    level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Stops at the nodes whose children
+    are level-0 pages, written to ``kept``. Returns ``(n_kept, n_touched)``, ``n_kept = 0`` when a level
+    has no children (nothing left to expand)."""
     cand_s = np.empty(n_upper + 1, dtype=np.float32)
     cand_v = np.empty(n_upper + 1, dtype=np.int64)
-    kept = np.empty(n_upper + 1, dtype=np.int64)
     kept[0] = 0
     n_kept = 1
     n_touched = 0
     child_level = top_level
-    while True:
-        upper = child_level > 0
-        need_scored = fov if upper else k_pages
-        need_leaves = k_pages if upper else 0
+    while child_level > 0:
         nc = 0
         for a in range(n_kept):
-            n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, need_scored, need_leaves, upper,
-                                    pages, nodes, pos_pg, pos_sl, best, touched, n_touched, cand_s,
-                                    cand_v, nc)
-        if not upper or nc == 0:
-            break
+            n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, fov, k_pages, True, pages, nodes,
+                                    pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, nc)
+        if nc == 0:
+            return 0, n_touched
         order = np.argsort(-cand_s[:nc])
         n_kept = min(fov, nc)
         leaves = 0
@@ -263,7 +255,111 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_ch
         for a in range(n_kept):
             kept[a] = cand_v[order[a]]
         child_level -= 1
-    # the C touched pages with the best tokens, best first (insertion into a sorted top-C)
+    return n_kept, n_touched
+
+
+@njit(cache=True, nogil=True)
+def _node_run(h, node, qp, prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl):
+    """The run ``[lo, hi)`` of ``node``'s sorted children that one query scores at level 0
+    (:func:`_chunk_walk`; a node of at most ``chunk`` children is scored in full)."""
+    c = 0
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        c += pages.valid[h, pg]
+        pg = pages.next[h, pg]
+    if c <= chunk:
+        return 0, c
+    return _chunk_walk(h, node, c, qp, prop, chunk, k_pages, 0, False, pages, nodes, pos_pg, pos_sl)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _same_run(runs, e, i, v, s0, s1):
+    """Whether run ``e`` covers slots ``s0 .. s1-1`` of the page whose first slot is child ``i``."""
+    return max(runs[e, 2] - i, 0) == s0 and min(runs[e, 3] - i, v) == s1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _touch(g, pg, best, touched, n_touched):
+    """Records page ``pg`` as touched by query ``g`` the first time it is scored (``best`` still -inf)."""
+    if best[g, pg] == -np.inf:
+        touched[g, n_touched[g]] = pg
+        n_touched[g] += 1
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _score_slots(h, q_group, g, pg, s0, s1, pages, best):
+    """``best[g, pg] = max(best[g, pg], max_s q_g.k_s)`` over slots ``s0 .. s1-1`` of page ``pg``."""
+    top = best[g, pg]
+    for s in range(s0, s1):
+        acc = np.float32(0.0)
+        for j in range(q_group.shape[1]):
+            acc += q_group[g, j] * pages.keys[h, pg, s, j]
+        top = max(top, acc)
+    best[g, pg] = top
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _score_slots3(h, q_group, g0, g1, g2, pg, s0, s1, pages, best):
+    """:func:`_score_slots` for three queries at once: each key is loaded once for the three dot products
+    (the same arithmetic per query, so the same scores)."""
+    t0, t1, t2 = best[g0, pg], best[g1, pg], best[g2, pg]
+    for s in range(s0, s1):
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        for j in range(q_group.shape[1]):
+            k = pages.keys[h, pg, s, j]
+            a0 += q_group[g0, j] * k
+            a1 += q_group[g1, j] * k
+            a2 += q_group[g2, j] * k
+        t0, t1, t2 = max(t0, a0), max(t1, a1), max(t2, a2)
+    best[g0, pg], best[g1, pg], best[g2, pg] = t0, t1, t2
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _score_level0(h, q_group, runs, n_runs, pages, nodes, best, touched, n_touched):
+    """Level 0 of the search for a KV head's query heads together: ``runs [n, 4]`` rows ``(node, query,
+    lo, hi)`` sorted by node; each node's pages are read once while every query that kept the node scores
+    its run of them (the page stays in L1 between the queries, so the group reads the keys once instead of
+    once per query head). Updates ``best [G, P]`` (a page's best ``q.k``) and the touched lists ``touched
+    [G, P]`` / ``n_touched [G]`` exactly as one search per query head would. Three queries with the same
+    run of a page are scored together (:func:`_score_slots3`)."""
+    a = 0
+    while a < n_runs:
+        node = runs[a, 0]
+        b = a
+        while b < n_runs and runs[b, 0] == node:
+            b += 1
+        i = 0  # position of the first slot of page pg in the node's sorted child list
+        pg = nodes.first[h, node]
+        for _ in range(nodes.npages[h, node]):
+            v = pages.valid[h, pg]
+            e = a
+            while e < b:
+                s0 = max(runs[e, 2] - i, 0)
+                s1 = min(runs[e, 3] - i, v)
+                if s0 >= s1:
+                    e += 1
+                    continue
+                n = 3 if (e + 2 < b and _same_run(runs, e + 1, i, v, s0, s1)
+                          and _same_run(runs, e + 2, i, v, s0, s1)) else 1
+                for f in range(e, e + n):
+                    _touch(runs[f, 1], pg, best, touched, n_touched)
+                if n == 3:
+                    _score_slots3(h, q_group, runs[e, 1], runs[e + 1, 1], runs[e + 2, 1], pg, s0, s1,
+                                  pages, best)
+                else:
+                    _score_slots(h, q_group, runs[e, 1], pg, s0, s1, pages, best)
+                e += n
+            i += v
+            pg = pages.next[h, pg]
+        a = b
+
+
+@njit(cache=True, nogil=True)
+def _top_pages(best, touched, n_touched, out_row, score_row):
+    """The touched pages with the best tokens, best first (insertion into a sorted top-C, as the C
+    code); ``-1`` / ``-inf`` padded."""
     n_cap = out_row.shape[0]
     n_out = 0
     for a in range(n_touched):
@@ -285,10 +381,44 @@ def _search_one(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_ch
         score_row[a] = -np.inf
 
 
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages,
+                  nodes, out, out_scores):
+    """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
+    descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
+    scored for the group in one pass (:func:`_score_level0`)."""
+    n_group = q_group.shape[0]
+    n_pages_h = pages.used[h]
+    best = np.full((n_group, n_pages_h), -np.inf, dtype=np.float32)
+    touched = np.empty((n_group, n_pages_h), dtype=np.int64)
+    n_touched = np.zeros(n_group, dtype=np.int64)
+    pos_pg = np.empty(max_children, dtype=np.int64)
+    pos_sl = np.empty(max_children, dtype=np.int64)
+    kept = np.empty(n_upper + 1, dtype=np.int64)
+    runs = np.empty((n_group * (n_upper + 1), 4), dtype=np.int64)
+    n_runs = 0
+    for g in range(n_group):
+        n_kept, n_touched[g] = _descend(q_group[g], qps[g], h, k_pages, fov, prop, chunk, top_level,
+                                        n_upper, max_children, pages, nodes, pos_pg, pos_sl, best[g],
+                                        touched[g], kept)
+        for a in range(n_kept):
+            lo, hi = _node_run(h, kept[a], qps[g], prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl)
+            runs[n_runs, 0] = kept[a]
+            runs[n_runs, 1] = g
+            runs[n_runs, 2] = lo
+            runs[n_runs, 3] = hi
+            n_runs += 1
+    order = np.argsort(runs[:n_runs, 0], kind="mergesort")
+    sorted_runs = runs[order]
+    _score_level0(h, q_group, sorted_runs, n_runs, pages, nodes, best, touched, n_touched)
+    for g in range(n_group):
+        _top_pages(best[g], touched[g], n_touched[g], out[g], out_scores[g])
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes,
            out, out_scores):
-    """Top-down page search of every query head (``dci_query``), in parallel over query heads; writes
+    """Top-down page search of every query head (``dci_query``), in parallel over KV heads; writes
     ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
     padded), ``C >= k_pages``.
 
@@ -296,21 +426,25 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
     found by score and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least
     ``min(fov, found)``. Every scored token (upper levels included) is a candidate; the result is
     the distinct pages in order of their best token's score. ``n_upper`` bounds the number of
-    upper-level (level >= 1) tokens, ``max_children`` the children of one node.
+    upper-level (level >= 1) tokens, ``max_children`` the children of one node. The ``group`` query
+    heads of a KV head search together (:func:`_search_group`): same pages and scores as one search
+    per query head, with the level-0 keys read once per group.
     """
     n_q, d = queries.shape
-    for qh in prange(n_q):
-        h = qh // group
-        qv = np.empty(d, dtype=np.float32)
+    qv = np.empty((n_q, d), dtype=np.float32)
+    qps = np.empty(n_q, dtype=np.float32)
+    for qh in range(n_q):
         norm = 0.0
         qp = 0.0
         for j in range(d):
-            qv[j] = queries[qh, j]
-            norm += qv[j] * qv[j]
-            qp += u[j] * qv[j]
-        qp /= max(math.sqrt(norm), 1e-30)
-        _search_one(qv, np.float32(qp), h, k_pages, fov, prop, chunk, top_level, n_upper, max_children,
-                    pages, nodes, out[qh], out_scores[qh])
+            qv[qh, j] = queries[qh, j]
+            norm += qv[qh, j] * qv[qh, j]
+            qp += u[j] * qv[qh, j]
+        qps[qh] = qp / max(math.sqrt(norm), 1e-30)
+    for h in prange(n_q // group):
+        q0 = h * group
+        _search_group(qv[q0:q0 + group], qps[q0:q0 + group], h, k_pages, fov, prop, chunk, top_level,
+                      n_upper, max_children, pages, nodes, out[q0:q0 + group], out_scores[q0:q0 + group])
 
 
 # ----------------------------------------------------------------------------- insert (``dci_add``)
