@@ -24,7 +24,7 @@ METHODS: dict[str, str] = {
     "omnikv": "baselines.omnikv:OmniKV",
     "magicpig": "baselines.magicpig:MagicPIG",
     "icecache": "icecache.method:IceCache",
-    "icecache_reuse": "icecache.method:IceCacheReuse",
+    "icecache_reuse": "icecache.reuse:IceCacheReuse",
 }
 
 SUITES: dict[str, str] = {

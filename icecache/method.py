@@ -59,7 +59,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
@@ -357,92 +356,3 @@ class IceCache(KVMethod):
         if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.resident_bound():
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
                                  f"tokens, over the bound of {self.resident_bound()} (budget {self.budget})")
-
-
-@dataclass
-class IceCacheReuse(IceCache):
-    """IceCache(reuse) (official ``--n_reuse_layers``, ``infer_state.check_reuse``): an anchor layer's page
-    selection is reused by
-    the next ``n_reuse_layers - 1`` layers, which build no index and run no search but load *their own*
-    K/V of the anchor's pages (gathered from their own store through the anchor's page table).
-
-    Anchors (official ``check_reuse``, with the first budgeted layer ``n_dense_layers`` in place of the
-    hard-coded 2): layers ``<= n_dense_layers``, then every layer with ``(l - n_dense_layers) mod N == 0``.
-
-    Re-ranking (``rerank = m >= 2``, this project's extension; ``0`` = official): the anchor's search hands
-    on ``m * K`` merged candidate pages per KV head (its own selection is their first ``K``), and each
-    reusing layer attends the ``K`` candidates on which its own queries put the most exact softmax mass
-    (:meth:`rerank_pages`, computed from the layer's own keys in its offload store). Only the anchor
-    searches the index, as in the official reuse; the transfer and the budget stay those of ``K`` pages.
-    Copying the anchor's pages loses what the reusing layers attend differently: on SmolLM2 passkey at 64
-    tokens the official reuse scores 25-30% where IceCache scores 100% (docs/benchmarks.md).
-
-    Args:
-        n_reuse_layers: ``N``, layers sharing one anchor's selection, the anchor included (scripts: 3).
-        rerank: ``0`` (official): reusing layers attend the anchor's selection; ``m >= 2``: they re-rank the
-            anchor's ``m * K`` candidates with their own queries.
-    """
-
-    n_reuse_layers: int = 3
-    rerank: int = 3
-    name: ClassVar[str] = "icecache_reuse"
-
-    def validate(self) -> None:
-        if self.n_reuse_layers < 1:
-            raise ValueError(f"{self.name}: n_reuse_layers must be >= 1, got {self.n_reuse_layers}")
-        if self.rerank < 0 or self.rerank == 1:
-            raise ValueError(f"{self.name}: rerank must be 0 (official) or >= 2 candidates per page, got {self.rerank}")
-        if self.rerank and self.gqa_merge == "union":
-            raise ValueError(f"{self.name}: rerank needs a merge within the budget, not gqa_merge='union'")
-        super().validate()
-
-    def candidate_width(self, k: int) -> int:
-        return self.rerank * k if self.rerank else k
-
-    def anchor_of(self, layer_idx: int) -> int:
-        first = self.n_dense_layers
-        return layer_idx if layer_idx <= first else layer_idx - (layer_idx - first) % self.n_reuse_layers
-
-    def builds_index(self, layer_idx: int) -> bool:
-        return self.anchor_of(layer_idx) == layer_idx
-
-    def page_source(self, st: IceState) -> IceState:
-        return self.layer_states[self.anchor_of(st.layer_idx)]
-
-    def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        anchor = self.page_source(st)
-        if anchor is st:
-            return super().insert_evicted(st, keys, positions)
-        if anchor.changed_at != st.n_seen:
-            raise RuntimeError(f"{self.name}: layer {st.layer_idx} evicted a window page that its anchor "
-                               f"{anchor.layer_idx} did not insert at this step")
-        return anchor.changed
-
-    def select(self, st: IceState, q: torch.Tensor) -> torch.Tensor | None:
-        anchor = self.page_source(st)
-        if anchor is st or not st.offloaded:
-            return super().select(st, q)
-        if anchor.selected_at != st.n_seen:
-            raise RuntimeError(f"{self.name}: anchor layer {anchor.layer_idx} made no selection at this step")
-        if not self.rerank:
-            return anchor.selection
-        st.selection = self.rerank_pages(st, q, anchor)
-        return st.selection
-
-    def rerank_pages(self, st: IceState, q: torch.Tensor, anchor: IceState) -> torch.Tensor:
-        """The ``K`` of the anchor's candidate pages ``[H_kv, C]`` with the most attention of this layer's query
-        group: per query head the exact softmax over every token of the candidates (this layer's own keys),
-        summed per page and over the group; -1 candidates are never chosen."""
-        cand = anchor.candidates.numpy()
-        h, group = cand.shape[0], self.spec.group
-        positions = anchor.index.page_abs[np.arange(h)[:, None], cand.clip(0)]  # [H_kv, C, s]
-        valid = torch.from_numpy((positions >= 0) & (cand >= 0)[..., None])
-        rows = torch.from_numpy(np.where(valid.numpy(), positions - st.store.first_pos, 0))
-        keys = st.store.keys()[torch.arange(h)[:, None, None], rows].float()  # [H_kv, C, s, d]
-        queries = q[:, 0].float().cpu().view(h, group, -1)
-        logits = torch.einsum("hgd,hcsd->hgcs", queries, keys) * self.spec.scaling
-        logits = logits.masked_fill(~valid[:, None], float("-inf"))
-        probs = logits.flatten(2).softmax(-1).view(logits.shape).nan_to_num(0.0)
-        mass = probs.sum(-1).sum(1).masked_fill(torch.from_numpy(cand < 0), -1.0)  # [H_kv, C]
-        best = mass.topk(min(self.layout()[2], cand.shape[1]), dim=-1).indices
-        return torch.from_numpy(cand).gather(1, best)

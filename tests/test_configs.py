@@ -60,9 +60,9 @@ def test_no_default_is_written_twice():
 def test_icecache_reuse_extends_icecache_through_the_defaults_list():
     node = configs.method_node("icecache_reuse")
     assert node["defaults"] == ["icecache", "_self_"]
-    assert set(node) == {"defaults", "name", "n_reuse_layers", "rerank"}
+    assert set(node) == {"defaults", "name", "n_reuse_layers", "rerank", "own_candidates"}
     cfg = configs.compose_config(["cache=icecache_reuse", "cache.page_size=16"])["cache"]
-    assert cfg["page_size"] == 16 and cfg["rerank"] == 3
+    assert cfg["page_size"] == 16 and cfg["rerank"] is None  # resolved per budget by the preset
 
 
 def test_types_are_checked_against_the_python_defaults():

@@ -264,7 +264,7 @@ def test_rerank_attends_the_candidates_with_the_most_attention_of_the_layer():
     """IceCache(reuse) with rerank: the anchor's selection is the first K of its m*K candidates; a reusing
     layer attends the K candidates on which its own query group puts the most exact softmax mass (a direct
     reference over its own keys), and loads its own K/V of them."""
-    m = make_method("icecache_reuse", budget=128, page_size=16, rerank=3)
+    m = make_method("icecache_reuse", budget=128, page_size=16, rerank=3, own_candidates=0)
     drv = Driver(m, prompt=400)
     for _ in range(3):
         q, _ = drv.step()

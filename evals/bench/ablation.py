@@ -115,16 +115,17 @@ def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, m
 
 
 def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",),
-         reranks=(0,), props=(0.8,)) -> list[Config]:
+         reranks=(0,), props=(0.8,), owns=(0,)) -> list[Config]:
     """Full and top-k bounds, then every valid IceCache cell of the cross product (IceCache(reuse) once per
-    ``rerank`` value; ``prop_to_retrieve`` once per ``props`` value, named in the label unless it is the
-    official 0.8)."""
+    ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0; ``prop_to_retrieve``
+    once per ``props`` value, named in the label unless it is the official 0.8)."""
     cells = [Config("full", "full", None)]
     for budget in budgets:
         cells.append(Config("topk", "topk", budget))
         for method, page, sink, merge, prop in itertools.product(methods, page_sizes, sinks, merges, props):
             scoring = {} if prop == 0.8 else {"prop_to_retrieve": prop}
-            extras = [{**scoring, "rerank": r} for r in reranks] if method == "icecache_reuse" else [scoring]
+            extras = ([{**scoring, "rerank": r, **({"own_candidates": o} if o else {})}
+                       for r, o in itertools.product(reranks, owns)] if method == "icecache_reuse" else [scoring])
             for extra in extras:
                 cell = icecache_config(budget, merge, page, sink, method, **extra)
                 if cell is not None and cell not in cells:
@@ -169,7 +170,8 @@ def run(args) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
-    cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props)
+    cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props,
+                 args.own_candidates)
     if args.only:
         cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
     done = done_keys(out)
@@ -269,6 +271,8 @@ def main(argv=None) -> None:
     p.add_argument("--sinks", nargs="+", type=int, default=[16, 32], help="sink sizes in tokens")
     p.add_argument("--methods", nargs="+", default=["icecache"], choices=["icecache", "icecache_reuse"])
     p.add_argument("--reranks", nargs="+", type=int, default=[0, 3], help="IceCache(reuse) rerank values")
+    p.add_argument("--own-candidates", nargs="+", type=int, default=[0],
+                   help="IceCache(reuse) own_candidates values (pages per K from each reusing layer's own bounds)")
     p.add_argument("--props", nargs="+", type=float, default=[0.8],
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
@@ -287,7 +291,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.recall:
         data = torch.load(args.recall, map_location="cpu")
-        cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props)
+        cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props,
+                 args.own_candidates)
         if args.only:
             cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
         print(config_recall(data, cells).to_string())
