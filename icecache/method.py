@@ -24,8 +24,9 @@ whose pages are groups of semantically close sibling tokens.
   layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
   computes the worker builds layer ``i`` (pipelined prefill). A prompt of at most ``B`` tokens is
   not indexed (official fallback): the layer attends everything until its context first exceeds
-  ``B`` tokens, then offloads and builds the index at that step (the official code never indexes after
-  prefill and lets the table outgrow the budget; we keep the budget).
+  ``B`` tokens, then offloads at that step, the index built on the background worker while the rest of the
+  step runs (the official code never indexes after prefill and lets the table outgrow the budget:
+  ``short_prompt="dense"``, the official preset's; we keep the budget by default).
 * Decode (official ``infer_state._DCI_query``, ``recall``, ``scatter_pages``): the new token joins the
   window. One index search per query head (``K`` pages,
   field of view from the sequence length), GQA merge per KV head (rank-interleaved, capped at ``K``:
@@ -83,6 +84,7 @@ class IceState(LayerState):
         self.changed: torch.Tensor | None = None  # [H_kv, n_pages] pages changed by the last insert
         self.changed_at = -1
         self.step_bytes = 0
+        self.dense = False  # a short prompt under ``short_prompt="dense"``: attends everything, never offloads
 
     @property
     def offloaded(self) -> bool:
@@ -102,7 +104,7 @@ def official_preset(budget: int) -> dict:
     rank-interleaved ``first_k_unique`` GQA merge and ``q_prop_to_retrieve = 0.8`` at every budget. At 64
     tokens, where the official code asserts, ``budget_layout="auto"`` gives 1 sink + 1 retrieved + 2 window
     pages."""
-    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8}
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, "short_prompt": "dense"}
 
 
 def budget_preset(budget: int) -> dict:
@@ -115,8 +117,8 @@ def budget_preset(budget: int) -> dict:
     nodes (80%) missed the needle's page on pass keys that full found. 4-token pages had a higher attention
     recall still, but a window of 5-8 tokens and missed a pass key that full found."""
     if budget < 256:
-        return {"page_size": 8, "gqa_merge": "interleaved", "prop_to_retrieve": 1.0}
-    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8}
+        return {"page_size": 8, "gqa_merge": "interleaved", "prop_to_retrieve": 1.0, "short_prompt": "offload"}
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, "short_prompt": "offload"}
 
 
 PRESETS = {"budget": budget_preset, "official": official_preset}
@@ -161,6 +163,7 @@ class IceCache(KVMethod):
     gqa_merge: str | None = None
     gqa_candidates: int = 0
     always_index: bool = False
+    short_prompt: str | None = None
     ratio_1: float = 0.01
     ratio_2: float = 0.2
     search_ratio: float = 1.5e-3
@@ -191,6 +194,8 @@ class IceCache(KVMethod):
         for key in ("page_size", "n_sink_pages", "n_window_pages", "n_dense_layers", "gqa_candidates"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
                 raise ValueError(f"{self.name}: {key} must be a whole number, got {getattr(self, key)!r}")
+        if self.short_prompt not in ("offload", "dense"):
+            raise ValueError(f"{self.name}: short_prompt must be 'offload' or 'dense', got {self.short_prompt!r}")
         if self.budget_layout not in ("auto", "fixed"):
             raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
         if self.gqa_merge not in MERGE_MODES:
@@ -244,8 +249,12 @@ class IceCache(KVMethod):
 
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
-        if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
+        if not self.is_budgeted(st.layer_idx):
+            return
+        if st.n_seen > self.index_threshold():
             self.offload(st, background=True)
+        elif self.short_prompt == "dense":
+            st.dense = True  # official: a prompt within the budget is never indexed
 
     def offload(self, st: IceState, background: bool) -> None:
         """Splits the resident tokens into sink | offloaded | window and starts the offload job."""
@@ -339,8 +348,8 @@ class IceCache(KVMethod):
     def observe(self, st: IceState, q, fetched, selection) -> None:
         if not self.is_budgeted(st.layer_idx):
             return
-        if not st.offloaded and st.n_seen > self.index_threshold():
-            self.offload(st, background=False)
+        if not st.offloaded and not st.dense and st.n_seen > self.index_threshold():
+            self.offload(st, background=True)  # awaited at this layer's next step
 
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: IceState) -> int:
@@ -353,6 +362,6 @@ class IceCache(KVMethod):
         return self.budget + (self.n_slots - self.layout()[2]) * self.page_size
 
     def check_resident(self, st: IceState) -> None:
-        if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.resident_bound():
+        if self.is_budgeted(st.layer_idx) and not st.dense and self.resident_tokens(st) > self.resident_bound():
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
                                  f"tokens, over the bound of {self.resident_bound()} (budget {self.budget})")

@@ -43,6 +43,33 @@ def test_prompt_within_budget_is_not_indexed_and_matches_full(method):
     assert not any(s.offloaded for s in cache.states)
 
 
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_short_prompt_offloads_on_the_background_worker_once_generation_outgrows_the_budget(method):
+    """``short_prompt="offload"`` (default): a 60-token prompt at budget 64 attends everything until its context
+    exceeds 64 tokens; that step hands the store and index build to the background worker (not inline), and the
+    layer keeps the budget from then on (``debug=True`` checks it every step)."""
+    m = make_method(method, budget=64, page_size=8, debug=True)
+    submitted, submit = [], m.submit_background
+    m.submit_background = lambda st, fn, *args: (submitted.append(st.n_seen), submit(st, fn, *args))
+    out, cache = generate_with(build_tiny("tiny-llama", 2, 4), torch.randint(0, 256, (1, 60)), 20, m)
+    budgeted = [s for s in cache.states if m.is_budgeted(s.layer_idx)]
+    assert all(s.offloaded for s in budgeted) and submitted == [65] * len(budgeted)
+    assert max(m.resident_tokens(s) for s in budgeted) <= 64
+
+
+@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+def test_official_short_prompt_is_never_indexed_and_matches_full(method):
+    """``short_prompt="dense"`` (official, and ``preset=official``): a prompt within the budget is never indexed,
+    so the layer attends everything for the whole generation, beyond the budget, exactly as full attention."""
+    assert make_method(method, budget=64, preset="official").short_prompt == "dense"
+    assert make_method(method, budget=64).short_prompt == "offload"
+    cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), method, budget=64, prompt_len=60, new_tokens=20,
+                                debug=True, short_prompt="dense", page_size=8)
+    assert not any(s.offloaded for s in cache.states)
+    with pytest.raises(ValueError, match="short_prompt"):
+        make_method(method, budget=64, short_prompt="never")
+
+
 # --------------------------------------------------------------------------- budgets and layouts
 def test_layouts():
     official = dict(preset="official")
