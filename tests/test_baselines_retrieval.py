@@ -209,8 +209,9 @@ def test_lse_merge_equals_attention_over_the_union():
 
 
 def test_magicpig_step_is_importance_weighted_attention_over_candidates():
-    """One sparse decode step, recomputed by hand: exact part + candidates with logits - log w_j, where
-    w_j = 1 - (1-p)^L - L p (1-p)^(L-1) and p = (1 - theta/pi)^K for the centred key."""
+    """One sparse decode step, recomputed by hand: exact part + candidates with logits - log(w_j + 1e-4) (the
+    official transform_kernel), where w_j = 1 - (1-p)^L - L p (1-p)^(L-1) and p = (1 - theta/pi)^K for the
+    centred key."""
     g = torch.Generator().manual_seed(0)
     spec = ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=128)
     method = mp.MagicPIG(budget=16, n_bits=2, n_tables=5, calibrate=False)
@@ -229,8 +230,13 @@ def test_magicpig_step_is_importance_weighted_attention_over_candidates():
         centred = st.store_k[kv, cand] - st.store_k[kv].mean(0)
         p = (1 - torch.arccos(torch.cosine_similarity(centred, q[h], dim=-1).double()) / math.pi) ** 2
         w = 1 - (1 - p) ** 5 - 5 * p * (1 - p) ** 4
-        logits = torch.cat([st.k[kv] @ q[h, 0] * 0.25, st.store_k[kv, cand] @ q[h, 0] * 0.25 - torch.log(w).float()])
-        want = torch.softmax(logits, 0) @ torch.cat([st.v[kv], st.store_v[kv, cand]])
+        sampled = st.store_k[kv, cand] @ q[h, 0] * 0.25 - torch.log(w + 1e-4).float()
+        exact = st.k[kv] @ q[h, 0] * 0.25
+        # merge: each part's softmax weighted by its exp-mass; the official sampled LSE is over log(w + 1e-4),
+        # ours over log(w + 1e-4) - log(1 + 1e-4): the same sampled softmax, its mass times (1 + 1e-4)
+        parts = [(exact, st.v[kv]), (sampled + math.log1p(1e-4), st.store_v[kv, cand])]
+        mass = torch.stack([torch.logsumexp(x, 0) for x, _ in parts]).softmax(0)
+        want = sum(m * (torch.softmax(x, 0) @ vals) for m, (x, vals) in zip(mass, parts))
         torch.testing.assert_close(out[h, 0], want, rtol=1e-5, atol=1e-6)
     assert fetched.past_tokens_per_head() == pytest.approx(6 + float(fetched.svalid.sum(-1).float().mean()))
 
@@ -281,3 +287,57 @@ def test_seeds_change_the_randomised_parts():
 def test_invalid_budgets_fail_at_config_time(method, budget):
     with pytest.raises(BudgetError):
         make_method(method, budget=budget)
+
+
+# ------------------------------------------------------------------------- MagicPIG: issue 21, item 3
+def test_magicpig_official_preset_is_the_official_configuration():
+    """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
+    from evals.configs import compose_config
+
+    official = make_method("magicpig_official", budget=256)
+    assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (10, 150, False,
+                                                                                                        4, 64)
+    assert make_method("magicpig", budget=256).calibrate is True  # our extension stays the default
+    cache = compose_config(["cache=magicpig_official"])["cache"]
+    assert (cache["name"], cache["calibrate"], cache["n_bits"], cache["n_tables"]) == ("magicpig_official", False,
+                                                                                        10, 150)
+
+
+def test_magicpig_official_weight_cap():
+    w = torch.tensor([1.0, 0.5, 1e-12, 0.0], dtype=torch.float64)
+    got = mp.importance_log_weight(w)
+    want = torch.log(w + 1e-4) - math.log(1 + 1e-4)  # sparse_attention.cc: score - log(w + 1e-4), shifted
+    torch.testing.assert_close(got, want.float())
+    assert got[0] == 0.0 and got[-1] == pytest.approx(math.log(1e-4), abs=1e-3)  # capped at -9.2, not -inf
+
+
+def test_magicpig_records_k_and_expected_sample_size_per_layer():
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64)
+    stats = cache.method_stats()
+    assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}
+    for st in cache.states:
+        if st.layer_idx in cache.method.dense:
+            assert stats["lsh_bits"][st.layer_idx] is None
+            continue
+        assert stats["lsh_bits"][st.layer_idx] == st.n_bits > 0
+        assert stats["sample_target"][st.layer_idx] == 30
+        assert 0 < stats["expected_samples"][st.layer_idx] <= 30  # calibration met the target
+    _, official = generate_with(model, _ids(300), 4, "magicpig_official", budget=64)
+    assert {official.method_stats()["lsh_bits"][i] for i in (1, 3)} == {10.0}
+
+
+def test_magicpig_warns_once_when_no_k_meets_the_target():
+    """max_bits = 0: K = 0 samples every offloaded key (266 > the target 30) in both sparse layers."""
+    import warnings
+
+    model = build_tiny("tiny-llama", 2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64, max_bits=0)
+        cache.method_stats()
+    missed = [w for w in caught if "no K <= max_bits=0" in str(w.message)]
+    assert len(missed) == 1 and issubclass(missed[0].category, RuntimeWarning)
+    stats = cache.method_stats()
+    assert [stats["expected_samples"][i] for i in (1, 3)] == [pytest.approx(266.0)] * 2
+    assert [stats["lsh_bits"][i] for i in (1, 3)] == [0.0, 0.0]
