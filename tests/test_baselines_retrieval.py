@@ -95,6 +95,55 @@ def test_pq_kmeans_is_seeded():
     assert torch.equal(a, b) and not torch.equal(other, same)
 
 
+def reference_lloyd(x, init, iters, tol):
+    """One problem ``x: [n, ds]`` of sklearn's Lloyd (``_kmeans_single_lloyd``): stop on unchanged labels or on
+    a summed squared centre shift <= tol * mean(var(x, axis=0)); an empty cluster keeps its centre."""
+    centres, threshold = x[init].clone(), float(x.var(0, unbiased=False).mean()) * tol
+    labels = torch.cdist(x, centres).argmin(-1)
+    for it in range(1, iters + 1):
+        new = torch.stack([x[labels == j].mean(0) if (labels == j).any() else centres[j] for j in range(len(centres))])
+        shift, centres = float(((new - centres) ** 2).sum()), new
+        new_labels = torch.cdist(x, centres).argmin(-1)
+        converged = torch.equal(new_labels, labels) or shift <= threshold
+        labels = new_labels
+        if converged:
+            break
+    return centres, labels, it
+
+
+@pytest.mark.parametrize("iters,tol", [(300, 0.0), (300, 1e-2), (3, 0.0)])
+def test_pq_kmeans_matches_sklearn_lloyd_rules_per_problem(iters, tol):
+    """The batched k-means stops each problem as sklearn's KMeans(tol, max_iter) would (issue 21, item 4)."""
+    x = torch.randn(3, 120, 4, generator=torch.Generator().manual_seed(0))
+    stats = {}
+    cents, codes = pq.kmeans(x, 8, iters, torch.Generator().manual_seed(5), tol=tol, stats=stats)
+    gen = torch.Generator().manual_seed(5)
+    inits = [torch.randperm(120, generator=gen)[:8] for _ in range(3)]
+    for i in range(3):
+        want_c, want_l, want_it = reference_lloyd(x[i], inits[i], iters, tol)
+        torch.testing.assert_close(cents[i], want_c)
+        assert torch.equal(codes[i], want_l) and int(stats["iterations"][i]) == want_it
+    assert (stats["iterations"] <= iters).all() and (iters == 3 or (stats["iterations"] > 3).any())
+
+
+def test_pq_official_iteration_bound_never_quantises_worse_than_ten():
+    """Defaults pinned to multi_core_compressor_v2.py (max_iter clamped to [3, 300], sklearn tol=1e-4); from
+    the same initialisation Lloyd's objective never increases, so the official bound's codebook quantises at
+    least as well as a fixed 10 iterations."""
+    method = pq.PQCache(budget=64)
+    assert (method.kmeans_iters, method.kmeans_tol) == (300, 1e-4)
+    keys = torch.randn(4, 1500, 32, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for iters, tol in ((10, 0.0), (300, 1e-4)):
+        stats = {}
+        cents, codes = pq.kmeans(keys, 64, iters, torch.Generator().manual_seed(1), tol=tol, stats=stats)
+        recon = cents.gather(1, codes[..., None].expand(-1, -1, 32))
+        errors[iters] = float(((recon - keys) ** 2).sum(-1).mean())
+        if iters == 300:
+            assert (stats["iterations"] > 10).all()  # the bound let it run past 10
+    assert errors[300] < errors[10]
+
+
 def test_pq_window_codes_and_budget_split():
     model = build_tiny("tiny-llama", 2, 4)
     _, cache = generate_with(model, _ids(96), 12, "pqcache", budget=24, debug=True)
