@@ -13,6 +13,7 @@ from baselines import pqcache as pq
 from evals.registry import make_cache, make_method
 from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.attention import attend
+from icecache.kv.timing import PhaseTimer
 
 # Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
 # candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
@@ -206,6 +207,41 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
 
 
 # ---------------------------------------------------------------------------------------- MagicPIG
+def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
+    """Issue 21, item 5: once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
+    keep the device prefill buffer alive (a prefix view did), and the generated tail lives in its own
+    small buffer rather than being written into that one."""
+    import gc
+    import weakref
+
+    method = okv.OmniKV(budget=8, filter_layers=[0], wait_layers=0, debug=True)
+    method.bind(ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
+    states = [method.new_state(i) for i in range(2)]
+    g = torch.Generator().manual_seed(0)
+    n = 500
+    q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
+    for st in states:
+        st.n_seen = n
+        method.prefill(st, q, k, v)
+    sparse = states[1]
+    prefill_buffers = [weakref.ref(sparse.buffers[name]) for name in ("k", "v", "pos")]
+    for st in states:
+        method.finish_prefill(st)
+    gc.collect()
+    assert all(ref() is None for ref in prefill_buffers), "the sparse layer's prefill buffer is still alive"
+    prompt_bytes = 2 * n * 8 * 4
+    for _ in range(3):
+        q1, k1, v1 = (torch.randn(h, 1, 8, generator=g) for h in (4, 2, 2))
+        for st in states:
+            st.n_seen += 1
+            method.decode(st, q1, k1, v1, PhaseTimer())
+    device_tensors = [sparse.k, sparse.v, *sparse.buffers.values()]
+    assert all(t.untyped_storage().nbytes() < prompt_bytes / 4 for t in device_tensors)
+    assert sparse.k.shape[1] == 3 and torch.equal(sparse.pos, torch.arange(n, n + 3))
+    assert sparse.store_k.shape == (2, n, 8) and torch.equal(sparse.store_k, k)  # the offload copy holds the prompt
+    assert states[0].k.untyped_storage().nbytes() >= prompt_bytes  # the dense filter layer keeps its buffer
+
+
 def test_simhash_collision_rate_matches_theory():
     """Per-table collision rate ~ (1 - theta/pi)^K and >= 2-of-L inclusion ~ w (Monte-Carlo, 4 sigma)."""
     g = torch.Generator().manual_seed(0)
