@@ -36,6 +36,10 @@ them, so past tokens grow to ``budget + generated``. Our budget convention count
   is compressed, and the prompt's first ``budget - window_size`` tokens play the fixed prefix.
 - ``"grow"``: the paper's behaviour -- nothing is evicted after prefill; the generated tail is a declared
   exemption (resident/attended = budget + generated tokens, logged as effective tokens per layer).
+
+Measured (docs/fidelity.md; SmolLM2-135M, budget 256, 4 samples per task): pinned / grow / sliding score
+multi_news 13.76 / 13.51 / 13.78, lcc 14.0 / 14.0 / 14.5, GSM8K 0 / 0 / 0 (full: 13.70, 32.25, 0), i.e.
+indistinguishable at that scale, while grow attends 399 past tokens per head on average instead of 256.
 """
 from __future__ import annotations
 
