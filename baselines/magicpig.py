@@ -29,7 +29,9 @@ on the prompt at ``L`` fixed). This calibration is our extension: the official c
 exact part and the sample size is whatever ``K = 10`` gives. Either way the chosen ``K``, the expected
 sample size and the target of every sparse layer are recorded (:meth:`MagicPIG.layer_stats`, ``timing.json``
 ``method_stats``, mean over samples), and when no ``K <= max_bits`` meets the target, calibration uses
-``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged.
+``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged. Measured
+on SmolLM2-135M keys at 2k tokens (docs/fidelity.md): relative attention-output error 0.09-0.16 per layer at
+budget 256 (calibrated K = 9) and 0.15-0.38 for the official K = 10, against 0.25-0.96 for the exact part alone.
 "Budget covers the context" for MagicPIG: when every offloaded token fits the sample target, ``K = 0``
 is chosen, every key collides in every table, ``w_j = 1`` and the method attends everything exactly.
 """
