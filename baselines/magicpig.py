@@ -15,20 +15,30 @@ Budget mapping: docs/architecture.md.
   keys colliding in at least ``min_collisions`` of the ``L`` tables. With ``p_j = (1 - theta_j/pi)^K``
   (``theta_j`` = angle between ``q_h`` and the centred key), the inclusion probability is
   ``w_j = P[Binomial(L, p_j) >= min_collisions]``; the sampled part is the self-normalised importance
-  attention ``softmax(q.k_j / sqrt(d) - log w_j)`` over ``S_h``, computed where the store lives (the
-  official CPU part), and merged with the exact part by log-sum-exp.
+  attention ``softmax(q.k_j / sqrt(d) - log(w_j + 1e-4))`` over ``S_h`` (the official cap of the weight,
+  ``sparse_attention/sparse_attention.cc`` ``transform_kernel``; :func:`importance_log_weight`), computed
+  where the store lives (the official CPU part), and merged with the exact part by log-sum-exp.
 
 Budget ``B`` = exact part + expected sample size: ``local = min(local_window, (B - n_sink) // 2)``
 and, with ``calibrate=True``, each sparse layer picks the smallest ``K`` in ``[0, max_bits]`` whose
 expected sample size for the last prompt query (mean over heads of ``sum_j w_j``) is at most
 ``B - n_sink - local`` (the reference calibrates ``(K, L)`` on a dev set; we calibrate ``K`` per layer
-on the prompt at ``L`` fixed). The effective tokens (exact part + actual ``|S_h|``) are logged.
+on the prompt at ``L`` fixed). This calibration is our extension: the official configuration is a fixed
+``K = 10, L = 150`` for every layer and prompt (``models/attnserver.py``), available by name as
+``cache=magicpig_official`` (:class:`MagicPIGOfficial`, ``calibrate=False``), where the budget sets only the
+exact part and the sample size is whatever ``K = 10`` gives. Either way the chosen ``K``, the expected
+sample size and the target of every sparse layer are recorded (:meth:`MagicPIG.layer_stats`, ``timing.json``
+``method_stats``, mean over samples), and when no ``K <= max_bits`` meets the target, calibration uses
+``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged. Measured
+on SmolLM2-135M keys at 2k tokens (docs/fidelity.md): relative attention-output error 0.09-0.16 per layer at
+budget 256 (calibrated K = 9) and 0.15-0.38 for the official K = 10, against 0.25-0.96 for the exact part alone.
 "Budget covers the context" for MagicPIG: when every offloaded token fits the sample target, ``K = 0``
 is chosen, every key collides in every table, ``w_j = 1`` and the method attends everything exactly.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -41,6 +51,8 @@ from icecache.offload import to_store
 from .common import keep_sinks_and_recent, scaled_layers
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
+OFFICIAL_BITS, OFFICIAL_TABLES = 10, 150  # models/attnserver.py LSHSparseAttnServer(K=10, L=150)
+WEIGHT_FLOOR = 1e-4  # sparse_attention/sparse_attention.cc transform_kernel: score / sqrt(d) - log(w + 1e-4)
 
 
 # ---------------------------------------------------------------------------------------- SimHash
@@ -62,6 +74,13 @@ def inclusion_probability(p: torch.Tensor, n_tables: int, min_collisions: int) -
     p = p.double()
     below = sum(math.comb(n_tables, i) * p ** i * (1.0 - p) ** (n_tables - i) for i in range(min_collisions))
     return (1.0 - below).clamp(min=0.0)
+
+
+def importance_log_weight(w: torch.Tensor) -> torch.Tensor:
+    """The official capped correction ``log(w + 1e-4)`` (at most ``log(1e4) = 9.2`` nats for an unlikely key),
+    shifted by the constant ``log(1 + 1e-4)`` so that a certain key (``w = 1``) gets exactly 0: the shift
+    cancels in each head's sampled softmax and only keeps its LSE exact when every key is certain (``K = 0``)."""
+    return torch.log((w.double() + WEIGHT_FLOOR) / (1.0 + WEIGHT_FLOOR)).float()
 
 
 def build_tables(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +161,7 @@ class PigState(LayerState):
         self.sorted_codes: torch.Tensor | None = None
         self.order: torch.Tensor | None = None
         self.n_bits = 0
+        self.expected_samples: float | None = None  # at n_bits, for the last prompt query (mean over heads)
         self.calib_q: torch.Tensor | None = None
 
 
@@ -162,8 +182,8 @@ class MagicPIG(KVMethod):
         seed: seed of the random SimHash projections.
     """
 
-    n_bits: int = 10
-    n_tables: int = 150
+    n_bits: int = OFFICIAL_BITS
+    n_tables: int = OFFICIAL_TABLES
     min_collisions: int = 2
     n_sink: int = 4
     local_window: int = 64
@@ -175,6 +195,7 @@ class MagicPIG(KVMethod):
     example_budget: ClassVar[int] = 128
     dense: frozenset = field(default=frozenset(), init=False, repr=False)
     proj: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _warned_target: bool = field(default=False, init=False, repr=False)
 
     @property
     def local(self) -> int:
@@ -232,20 +253,46 @@ class MagicPIG(KVMethod):
         st.mu = st.store_k.float().mean(dim=1, keepdim=True)  # [H_kv, 1, d]
         centred = st.store_k.float() - st.mu
         st.knorm = centred.norm(dim=-1)
-        st.n_bits = self.calibrated_bits(st, centred) if self.calibrate else self.n_bits
+        st.n_bits, st.expected_samples = self.choose_bits(st, centred)
         st.sorted_codes, st.order = build_tables(simhash(centred, self.proj[..., :st.n_bits]).transpose(1, 2))
 
-    def calibrated_bits(self, st: PigState, centred: torch.Tensor) -> int:
-        """Smallest ``K`` whose expected sample size (last prompt query, mean over heads) fits the target."""
+    def choose_bits(self, st: PigState, centred: torch.Tensor) -> tuple[int, float | None]:
+        """``(K, expected sample size at K)``. With ``calibrate``: the smallest ``K`` whose expected sample size
+        (last prompt query, mean over heads) fits the target, else ``max_bits`` with a warning (once per
+        method). Without: ``n_bits``, its expected sample size recorded (``None`` without a prompt query)."""
+        if st.calib_q is None:
+            return self.n_bits, None
         keys = expand_heads(centred, self.spec.n_q_heads)
         cos = torch.einsum("hd,hnd->hn", st.calib_q, keys) / (
             st.calib_q.norm(dim=-1, keepdim=True) * keys.norm(dim=-1)).clamp(min=1e-12)
-        for bits in range(self.max_bits + 1):
+
+        def expected(bits: int) -> float:
             p = collision_probability(cos, bits)
-            expected = inclusion_probability(p, self.n_tables, self.min_collisions).sum(-1).mean()
-            if expected <= self.sample_target:
-                return bits
-        return self.max_bits
+            return float(inclusion_probability(p, self.n_tables, self.min_collisions).sum(-1).mean())
+
+        if not self.calibrate:
+            return self.n_bits, expected(self.n_bits)
+        for bits in range(self.max_bits + 1):
+            if (size := expected(bits)) <= self.sample_target:
+                return bits, size
+        if not self._warned_target:
+            self._warned_target = True
+            warnings.warn(f"magicpig: layer {st.layer_idx}: no K <= max_bits={self.max_bits} brings the expected "
+                          f"sample size to the target {self.sample_target} (K={self.max_bits} expects {size:.1f} of "
+                          f"{centred.shape[1]} offloaded keys); using K={self.max_bits}, the budget is exceeded "
+                          f"(timing.json method_stats); raise max_bits or the budget. Warned once per run.",
+                          RuntimeWarning, stacklevel=2)
+        return self.max_bits, size
+
+    def layer_stats(self, st: PigState) -> dict[str, float]:
+        """Sparse layers with an index: the chosen ``K`` and the expected sample size (timing.json
+        ``method_stats``)."""
+        if st.store_k is None or st.pending is not None:
+            return {}
+        stats = {"lsh_bits": float(st.n_bits), "sample_target": float(self.sample_target)}
+        if st.expected_samples is not None:
+            stats["expected_samples"] = st.expected_samples
+        return stats
 
     # ------------------------------------------------------------------ decode
     def select(self, st: PigState, q: torch.Tensor) -> torch.Tensor | None:
@@ -281,7 +328,7 @@ class MagicPIG(KVMethod):
         dots = torch.matmul(q_host, (fetched.sk.float() - mu).transpose(1, 2))[:, 0]  # q . centred key
         cos = dots / (q_host[:, 0].norm(dim=-1, keepdim=True) * fetched.snorm).clamp(min=1e-12)
         w = inclusion_probability(collision_probability(cos, st.n_bits), self.n_tables, self.min_collisions)
-        log_w = torch.log(w.clamp(min=1e-300)).float()
+        log_w = importance_log_weight(w)
         return partial_attention(q_host, fetched.sk, fetched.sv, self.spec.scaling, fetched.svalid, log_w)
 
     # ------------------------------------------------------------------ accounting
@@ -294,3 +341,12 @@ class MagicPIG(KVMethod):
         if prompt_part > self.n_sink + self.local:
             raise AssertionError(f"magicpig: layer {st.layer_idx} holds {prompt_part} resident prompt tokens, "
                                  f"over its exact part of {self.n_sink + self.local} (budget {self.budget})")
+
+
+@dataclass
+class MagicPIGOfficial(MagicPIG):
+    """The official configuration (``models/attnserver.py``): ``K = 10``, ``L = 150`` for every layer and
+    prompt, no calibration; the budget sets the exact part (sinks + local window) only."""
+
+    calibrate: bool = False
+    name: ClassVar[str] = "magicpig_official"

@@ -8,7 +8,9 @@ layer ``f`` and the ``wait_layers`` layers after it are dense (the official "wai
 CPU->GPU gather); the layers after them, up to the next filter layer, are *sparse*.
 
 * Prefill: exact attention in every layer, nothing evicted; the sparse layers' K/V move to the
-  offload store (pinned host memory on CUDA).
+  offload store (pinned host memory on CUDA) and their device prefill buffers are freed: as the official
+  ``OmniKVMultiStageCache.update`` (``real_offload``), which keeps those layers' prompt K/V on the CPU only
+  and the generated tokens in a separate ``tail_k``.
 * Decode, filter layer ``f``: logits of the current (post-RoPE) query over the layer's own *prompt*
   keys, max over all query heads (selector ``last``, the official example config;
   ``softmax_before_last`` takes the softmax per head first), top-``budget`` -> one sorted index set
@@ -127,7 +129,11 @@ class OmniKV(KVMethod):
         st.n_prompt = st.n_seen
         if self.is_budgeted(st.layer_idx):
             st.store_k, st.store_v = to_store(st.k), to_store(st.v)
-            st.k, st.v, st.pos = st.k[:, :0], st.v[:, :0], st.pos[:0]
+            # free the device prefill buffers: no view of them may stay (a prefix view would keep the whole
+            # buffer alive and the in-place append would write the generated tail into it); the tail gets
+            # its own buffer at the first append
+            st.buffers.clear()
+            st.k = st.v = st.pos = None
 
     # ------------------------------------------------------------------ decode
     def select(self, st: OmniState, q: torch.Tensor) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ METHODS: dict[str, str] = {
     "pqcache": "baselines.pqcache:PQCache",
     "omnikv": "baselines.omnikv:OmniKV",
     "magicpig": "baselines.magicpig:MagicPIG",
+    "magicpig_official": "baselines.magicpig:MagicPIGOfficial",
     "icecache": "icecache.method:IceCache",
     "icecache_reuse": "icecache.reuse:IceCacheReuse",
 }

@@ -40,12 +40,14 @@ class Generation:
     max_resident_tokens: int = 0
     transfer_bytes: int = 0  # bytes moved from offload stores over tokens 3..N
     peak_memory_bytes: int | None = None  # CUDA: max allocated during this generation (weights included)
+    method_stats: dict[str, list[float | None]] = field(default_factory=dict)  # KVCache.method_stats
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
                 "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
                 "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens,
-                "transfer_bytes": self.transfer_bytes, "peak_memory_bytes": self.peak_memory_bytes}
+                "transfer_bytes": self.transfer_bytes, "peak_memory_bytes": self.peak_memory_bytes,
+                "method_stats": self.method_stats}
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -125,7 +127,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             ttft_s=stamps[0] - start, tt2t_s=stamps[1] - start if len(stamps) > 1 else None,
             intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
-            peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)
+            peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+            method_stats=cache.method_stats())
     finally:
         cache.close()
 

@@ -31,6 +31,7 @@ class Timing(TypedDict):
     tpot_p90_s: float | None  # 90th percentile of the same intervals
     breakdown: dict[str, float]  # seconds per output token per phase (select, transfer, attention, update, other)
     effective_tokens_per_layer: list[float | None]  # mean past tokens attended per head, per layer
+    method_stats: dict[str, list[float | None]]  # per layer, mean over samples: KVMethod.layer_stats (MagicPIG's K)
     max_resident_tokens: int
     transfer_bytes_per_token: float | None
     peak_memory_bytes: int | None

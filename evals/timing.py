@@ -41,6 +41,10 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
     layers = [t["effective_tokens"] for t in timings if t.get("effective_tokens")]
     effective = [statistics.fmean(v) if (v := [per[i] for per in layers if per[i] is not None]) else None
                  for i in range(len(layers[0]))] if layers else []
+    stats = [t["method_stats"] for t in timings if t.get("method_stats")]
+    names = sorted({name for per in stats for name in per})
+    method_stats = {name: [_mean_or_none([per[name][i] for per in stats if name in per])
+                           for i in range(max(len(per[name]) for per in stats if name in per))] for name in names}
     tt2t = [t["tt2t_s"] for t in timings if t["tt2t_s"] is not None]
     segments: dict[str, int] = {}
     for t in timings:
@@ -54,12 +58,18 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
         **tpot_stats(intervals),
         "breakdown": {k: v / n_tok for k, v in breakdown.items()} if n_tok else {},
         "effective_tokens_per_layer": effective,
+        "method_stats": method_stats,
         "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
         "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
         "n_process_segments": len(segments),
         "environment": run_environment(cfg),
     }
+
+
+def _mean_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 def peak_memory_bytes() -> int:

@@ -49,6 +49,10 @@ METHOD_CASES = [
     MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
                small=dict(budget=16, filter_layers=[1], wait_layers=0), invalid=dict(selector="first")),
     MethodCase("magicpig", covering=dict(budget=56), small=dict(budget=24), invalid=dict(n_tables=0)),
+    # the official preset samples with K = 10 whatever the budget (its budget sets the exact part only); with
+    # K = 0 the same sampled path (offload, hash, lookup, weights) is exact, which is what this row checks
+    MethodCase("magicpig_official", covering=dict(budget=56, n_bits=0), small=dict(budget=24),
+               invalid=dict(min_collisions=0)),
     MethodCase("icecache", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
                invalid=dict(gqa_candidates=-1), prompt_len=200),
     MethodCase("icecache_reuse", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),

@@ -75,6 +75,11 @@ def test_invalid_budgets_are_clear_errors():
         make_method("snapkv")
     with pytest.raises(ValueError, match="decode_policy"):
         SnapKV(budget=64, decode_policy="keep")
+    with pytest.raises(ValueError, match="selection"):
+        SnapKV(budget=64, selection="per_group")
+    with pytest.raises(BudgetError, match="no room for generated"):
+        SnapKV(budget=33)  # pinned: window 32 + 1 voted token leaves no slot for generated tokens
+    SnapKV(budget=33, decode_policy="sliding")
 
 
 # --------------------------------------------------------------------------- H2O
@@ -204,7 +209,8 @@ def snapkv_inputs(n_q: int):
 @pytest.mark.parametrize("policy", ["sliding", "grow"])
 def test_snapkv_keeps_voted_prefix_and_window(n_q, policy):
     q, k, v = snapkv_inputs(n_q)
-    method = SnapKV(budget=6, window_size=4, kernel_size=1, decode_policy=policy, debug=True)
+    method = SnapKV(budget=6, window_size=4, kernel_size=1, decode_policy=policy, selection="per_kv_head",
+                    debug=True)
     st, _ = prefill(method, q, k, v)
     assert st.pos.tolist() == [[2, 7, 12, 13, 14, 15], [5, 9, 12, 13, 14, 15]]
     for t in range(16, 21):
@@ -225,3 +231,91 @@ def test_snapkv_grow_policy_declares_the_generated_tail():
     st.k, st.v = torch.cat([st.k, st.k], 1), torch.cat([st.v, st.v], 1)  # an over-budget "sliding" state
     with pytest.raises(AssertionError, match="over the allowed 6"):
         method.check_resident(st)
+
+
+def ranked_inputs(strengths: dict[int, float], n: int = 16, n_q: int = 1):
+    """One KV head, d = 4: token ``t``'s key is ``strengths[t] * e0`` (others zero), every query is e0, so the
+    window votes rank the planted tokens by strength."""
+    k = torch.zeros(1, n, 4)
+    for t, s in strengths.items():
+        k[0, t, 0] = s
+    q = torch.zeros(n_q, n, 4)
+    q[..., 0] = 1.0
+    return q, k, torch.randn(1, n, 4)
+
+
+def test_snapkv_pinned_keeps_the_selection_and_window_while_generated_tokens_slide():
+    """budget 8 = window 4 + room 2 + 2 pinned voted; the room first holds the next-best voted tokens (3,
+    then 6), which leave lowest-voted first; then generated tokens slide in the room."""
+    q, k, v = ranked_inputs({2: 10.0, 7: 10.0, 3: 9.0, 6: 8.0})
+    method = SnapKV(budget=8, window_size=4, kernel_size=1, decode_window=2, debug=True)
+    assert method.room == 2
+    st, _ = prefill(method, q, k, v)
+    assert sorted(st.pos[0].tolist()) == [2, 3, 6, 7, 12, 13, 14, 15]
+    kept = []
+    for _ in range(5):
+        decode(method, st, q[:, :1], torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+        kept.append(sorted(st.pos[0].tolist()))
+    assert kept == [[2, 3, 7, 12, 13, 14, 15, 16], [2, 7, 12, 13, 14, 15, 16, 17], [2, 7, 12, 13, 14, 15, 17, 18],
+                    [2, 7, 12, 13, 14, 15, 18, 19], [2, 7, 12, 13, 14, 15, 19, 20]]
+
+
+def test_snapkv_pinned_short_prompt_attends_everything_then_evicts_unpinned_prefix_first():
+    """A prompt of <= budget tokens is kept whole (first step = full attention); on overflow the prefix tokens
+    outside the pinned selection leave before any generated token, and the window never leaves."""
+    torch.manual_seed(0)
+    n, budget = 16, 16
+    q, k, v = torch.randn(2, n, 4), torch.randn(1, n, 4), torch.randn(1, n, 4)
+    method = SnapKV(budget=budget, window_size=4, kernel_size=1, decode_window=4, debug=True)  # room 4, 8 pinned
+    st, _ = prefill(method, q, k, v)
+    assert st.k.shape == (2, n, 4) and sorted(st.pos[0].tolist()) == list(range(n))
+    q1, k1, v1 = torch.randn(2, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    out = decode(method, st, q1, k1, v1)
+    full_k, full_v = torch.cat([k, k1], 1).expand(2, -1, -1), torch.cat([v, v1], 1).expand(2, -1, -1)
+    torch.testing.assert_close(out[:, 0], eager_attention(q1[:, 0], full_k, full_v)[0])
+    pinned = [set(row.tolist()) for row in window_votes(q, k, 1.0, 4).topk(8, dim=-1).indices]  # kernel 1
+    for s in range(2, 12):  # after decode step s: tokens n..n+s-1 generated
+        decode(method, st, q1, torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+        for h in range(2):
+            pos = set(st.pos[h].tolist())
+            assert len(pos) == budget and pinned[h] | set(range(12, n)) <= pos
+            assert len(pos - pinned[h] - set(range(12, 16 + s))) == max(0, 4 - s)  # unpinned prefix left
+            assert sorted(p for p in pos if p >= n) == list(range(n, n + s))[-min(s, 4):]  # the room slides
+
+
+@pytest.mark.parametrize("policy,keeps_window", [("pinned", True), ("sliding", False)])
+def test_snapkv_observation_window_survives_generation_only_when_pinned(policy, keeps_window):
+    """Issue 21: ``sliding`` pushes the observation window (the LongBench question) out during the first
+    window_size generated tokens; ``pinned`` never does."""
+    model = build_tiny("tiny-llama", 2, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
+    _, cache = generate_with(model, ids, 12, "snapkv", 20, window_size=8, decode_policy=policy, debug=True)
+    window = set(range(52, 60))
+    assert all((window <= set(row.tolist())) == keeps_window for st in cache.states for row in st.pos)
+    assert cache.resident_tokens() == [20] * 4
+
+
+def test_snapkv_selects_per_query_head_or_per_kv_head():
+    """One KV head, two query heads that look at different tokens: the official per-query-head selection
+    keeps each head's own tokens (and stores K/V per query head); per_kv_head keeps the group's summed best."""
+    n, d = 16, 4
+    k = torch.zeros(1, n, d)
+    k[0, [2, 7], 0] = 10.0
+    k[0, [5, 9], 1] = 10.0
+    k[0, 11, 1] = 9.0  # head 1's mass is split over three tokens, so the summed votes prefer 2 and 7
+    q = torch.zeros(2, n, d)
+    q[0, :, 0], q[1, :, 1] = 1.0, 1.0
+    v = torch.randn(1, n, d)
+    window = [12, 13, 14, 15]
+    per_q = SnapKV(budget=6, window_size=4, kernel_size=1, decode_policy="sliding", debug=True)
+    st, _ = prefill(per_q, q, k, v)
+    assert st.k.shape == (2, 6, d)  # G = 2 times the K/V of one KV head
+    assert st.pos.tolist() == [[2, 7, *window], [5, 9, *window]]
+    q1, k1, v1 = torch.randn(2, 1, d), torch.randn(1, 1, d), torch.randn(1, 1, d)
+    out = decode(per_q, st, q1, k1, v1)
+    for h, kept in enumerate([[2, 7, *window], [5, 9, *window]]):
+        ref, _ = eager_attention(q1[h], torch.cat([k[0, kept], k1[0]])[None], torch.cat([v[0, kept], v1[0]])[None])
+        torch.testing.assert_close(out[h, 0], ref[0])
+    per_kv = SnapKV(budget=6, window_size=4, kernel_size=1, decode_policy="sliding", selection="per_kv_head")
+    st, _ = prefill(per_kv, q, k, v)
+    assert st.k.shape == (1, 6, d) and st.pos.tolist() == [[2, 7, *window]]

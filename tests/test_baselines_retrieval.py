@@ -13,6 +13,7 @@ from baselines import pqcache as pq
 from evals.registry import make_cache, make_method
 from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.attention import attend
+from icecache.kv.timing import PhaseTimer
 
 # Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
 # candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
@@ -95,6 +96,55 @@ def test_pq_kmeans_is_seeded():
     assert torch.equal(a, b) and not torch.equal(other, same)
 
 
+def reference_lloyd(x, init, iters, tol):
+    """One problem ``x: [n, ds]`` of sklearn's Lloyd (``_kmeans_single_lloyd``): stop on unchanged labels or on
+    a summed squared centre shift <= tol * mean(var(x, axis=0)); an empty cluster keeps its centre."""
+    centres, threshold = x[init].clone(), float(x.var(0, unbiased=False).mean()) * tol
+    labels = torch.cdist(x, centres).argmin(-1)
+    for it in range(1, iters + 1):
+        new = torch.stack([x[labels == j].mean(0) if (labels == j).any() else centres[j] for j in range(len(centres))])
+        shift, centres = float(((new - centres) ** 2).sum()), new
+        new_labels = torch.cdist(x, centres).argmin(-1)
+        converged = torch.equal(new_labels, labels) or shift <= threshold
+        labels = new_labels
+        if converged:
+            break
+    return centres, labels, it
+
+
+@pytest.mark.parametrize("iters,tol", [(300, 0.0), (300, 1e-2), (3, 0.0)])
+def test_pq_kmeans_matches_sklearn_lloyd_rules_per_problem(iters, tol):
+    """The batched k-means stops each problem as sklearn's KMeans(tol, max_iter) would (issue 21, item 4)."""
+    x = torch.randn(3, 120, 4, generator=torch.Generator().manual_seed(0))
+    stats = {}
+    cents, codes = pq.kmeans(x, 8, iters, torch.Generator().manual_seed(5), tol=tol, stats=stats)
+    gen = torch.Generator().manual_seed(5)
+    inits = [torch.randperm(120, generator=gen)[:8] for _ in range(3)]
+    for i in range(3):
+        want_c, want_l, want_it = reference_lloyd(x[i], inits[i], iters, tol)
+        torch.testing.assert_close(cents[i], want_c)
+        assert torch.equal(codes[i], want_l) and int(stats["iterations"][i]) == want_it
+    assert (stats["iterations"] <= iters).all() and (iters == 3 or (stats["iterations"] > 3).any())
+
+
+def test_pq_official_iteration_bound_never_quantises_worse_than_ten():
+    """Defaults pinned to multi_core_compressor_v2.py (max_iter clamped to [3, 300], sklearn tol=1e-4); from
+    the same initialisation Lloyd's objective never increases, so the official bound's codebook quantises at
+    least as well as a fixed 10 iterations."""
+    method = pq.PQCache(budget=64)
+    assert (method.kmeans_iters, method.kmeans_tol) == (300, 1e-4)
+    keys = torch.randn(4, 1500, 32, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for iters, tol in ((10, 0.0), (300, 1e-4)):
+        stats = {}
+        cents, codes = pq.kmeans(keys, 64, iters, torch.Generator().manual_seed(1), tol=tol, stats=stats)
+        recon = cents.gather(1, codes[..., None].expand(-1, -1, 32))
+        errors[iters] = float(((recon - keys) ** 2).sum(-1).mean())
+        if iters == 300:
+            assert (stats["iterations"] > 10).all()  # the bound let it run past 10
+    assert errors[300] < errors[10]
+
+
 def test_pq_window_codes_and_budget_split():
     model = build_tiny("tiny-llama", 2, 4)
     _, cache = generate_with(model, _ids(96), 12, "pqcache", budget=24, debug=True)
@@ -157,6 +207,41 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
 
 
 # ---------------------------------------------------------------------------------------- MagicPIG
+def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
+    """Issue 21, item 5: once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
+    keep the device prefill buffer alive (a prefix view did), and the generated tail lives in its own
+    small buffer rather than being written into that one."""
+    import gc
+    import weakref
+
+    method = okv.OmniKV(budget=8, filter_layers=[0], wait_layers=0, debug=True)
+    method.bind(ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
+    states = [method.new_state(i) for i in range(2)]
+    g = torch.Generator().manual_seed(0)
+    n = 500
+    q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
+    for st in states:
+        st.n_seen = n
+        method.prefill(st, q, k, v)
+    sparse = states[1]
+    prefill_buffers = [weakref.ref(sparse.buffers[name]) for name in ("k", "v", "pos")]
+    for st in states:
+        method.finish_prefill(st)
+    gc.collect()
+    assert all(ref() is None for ref in prefill_buffers), "the sparse layer's prefill buffer is still alive"
+    prompt_bytes = 2 * n * 8 * 4
+    for _ in range(3):
+        q1, k1, v1 = (torch.randn(h, 1, 8, generator=g) for h in (4, 2, 2))
+        for st in states:
+            st.n_seen += 1
+            method.decode(st, q1, k1, v1, PhaseTimer())
+    device_tensors = [sparse.k, sparse.v, *sparse.buffers.values()]
+    assert all(t.untyped_storage().nbytes() < prompt_bytes / 4 for t in device_tensors)
+    assert sparse.k.shape[1] == 3 and torch.equal(sparse.pos, torch.arange(n, n + 3))
+    assert sparse.store_k.shape == (2, n, 8) and torch.equal(sparse.store_k, k)  # the offload copy holds the prompt
+    assert states[0].k.untyped_storage().nbytes() >= prompt_bytes  # the dense filter layer keeps its buffer
+
+
 def test_simhash_collision_rate_matches_theory():
     """Per-table collision rate ~ (1 - theta/pi)^K and >= 2-of-L inclusion ~ w (Monte-Carlo, 4 sigma)."""
     g = torch.Generator().manual_seed(0)
@@ -209,8 +294,9 @@ def test_lse_merge_equals_attention_over_the_union():
 
 
 def test_magicpig_step_is_importance_weighted_attention_over_candidates():
-    """One sparse decode step, recomputed by hand: exact part + candidates with logits - log w_j, where
-    w_j = 1 - (1-p)^L - L p (1-p)^(L-1) and p = (1 - theta/pi)^K for the centred key."""
+    """One sparse decode step, recomputed by hand: exact part + candidates with logits - log(w_j + 1e-4) (the
+    official transform_kernel), where w_j = 1 - (1-p)^L - L p (1-p)^(L-1) and p = (1 - theta/pi)^K for the
+    centred key."""
     g = torch.Generator().manual_seed(0)
     spec = ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=128)
     method = mp.MagicPIG(budget=16, n_bits=2, n_tables=5, calibrate=False)
@@ -229,8 +315,13 @@ def test_magicpig_step_is_importance_weighted_attention_over_candidates():
         centred = st.store_k[kv, cand] - st.store_k[kv].mean(0)
         p = (1 - torch.arccos(torch.cosine_similarity(centred, q[h], dim=-1).double()) / math.pi) ** 2
         w = 1 - (1 - p) ** 5 - 5 * p * (1 - p) ** 4
-        logits = torch.cat([st.k[kv] @ q[h, 0] * 0.25, st.store_k[kv, cand] @ q[h, 0] * 0.25 - torch.log(w).float()])
-        want = torch.softmax(logits, 0) @ torch.cat([st.v[kv], st.store_v[kv, cand]])
+        sampled = st.store_k[kv, cand] @ q[h, 0] * 0.25 - torch.log(w + 1e-4).float()
+        exact = st.k[kv] @ q[h, 0] * 0.25
+        # merge: each part's softmax weighted by its exp-mass; the official sampled LSE is over log(w + 1e-4),
+        # ours over log(w + 1e-4) - log(1 + 1e-4): the same sampled softmax, its mass times (1 + 1e-4)
+        parts = [(exact, st.v[kv]), (sampled + math.log1p(1e-4), st.store_v[kv, cand])]
+        mass = torch.stack([torch.logsumexp(x, 0) for x, _ in parts]).softmax(0)
+        want = sum(m * (torch.softmax(x, 0) @ vals) for m, (x, vals) in zip(mass, parts))
         torch.testing.assert_close(out[h, 0], want, rtol=1e-5, atol=1e-6)
     assert fetched.past_tokens_per_head() == pytest.approx(6 + float(fetched.svalid.sum(-1).float().mean()))
 
@@ -281,3 +372,57 @@ def test_seeds_change_the_randomised_parts():
 def test_invalid_budgets_fail_at_config_time(method, budget):
     with pytest.raises(BudgetError):
         make_method(method, budget=budget)
+
+
+# ------------------------------------------------------------------------- MagicPIG: issue 21, item 3
+def test_magicpig_official_preset_is_the_official_configuration():
+    """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
+    from evals.configs import compose_config
+
+    official = make_method("magicpig_official", budget=256)
+    assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (10, 150, False,
+                                                                                                        4, 64)
+    assert make_method("magicpig", budget=256).calibrate is True  # our extension stays the default
+    cache = compose_config(["cache=magicpig_official"])["cache"]
+    assert (cache["name"], cache["calibrate"], cache["n_bits"], cache["n_tables"]) == ("magicpig_official", False,
+                                                                                        10, 150)
+
+
+def test_magicpig_official_weight_cap():
+    w = torch.tensor([1.0, 0.5, 1e-12, 0.0], dtype=torch.float64)
+    got = mp.importance_log_weight(w)
+    want = torch.log(w + 1e-4) - math.log(1 + 1e-4)  # sparse_attention.cc: score - log(w + 1e-4), shifted
+    torch.testing.assert_close(got, want.float())
+    assert got[0] == 0.0 and got[-1] == pytest.approx(math.log(1e-4), abs=1e-3)  # capped at -9.2, not -inf
+
+
+def test_magicpig_records_k_and_expected_sample_size_per_layer():
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64)
+    stats = cache.method_stats()
+    assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}
+    for st in cache.states:
+        if st.layer_idx in cache.method.dense:
+            assert stats["lsh_bits"][st.layer_idx] is None
+            continue
+        assert stats["lsh_bits"][st.layer_idx] == st.n_bits > 0
+        assert stats["sample_target"][st.layer_idx] == 30
+        assert 0 < stats["expected_samples"][st.layer_idx] <= 30  # calibration met the target
+    _, official = generate_with(model, _ids(300), 4, "magicpig_official", budget=64)
+    assert {official.method_stats()["lsh_bits"][i] for i in (1, 3)} == {10.0}
+
+
+def test_magicpig_warns_once_when_no_k_meets_the_target():
+    """max_bits = 0: K = 0 samples every offloaded key (266 > the target 30) in both sparse layers."""
+    import warnings
+
+    model = build_tiny("tiny-llama", 2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64, max_bits=0)
+        cache.method_stats()
+    missed = [w for w in caught if "no K <= max_bits=0" in str(w.message)]
+    assert len(missed) == 1 and issubclass(missed[0].category, RuntimeWarning)
+    stats = cache.method_stats()
+    assert [stats["expected_samples"][i] for i in (1, 3)] == [pytest.approx(266.0)] * 2
+    assert [stats["lsh_bits"][i] for i in (1, 3)] == [0.0, 0.0]

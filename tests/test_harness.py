@@ -121,3 +121,18 @@ def test_cli_prints_results_dir_last(tmp_path):
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("results: ") and Path(last.split(": ", 1)[1], "metrics.json").exists()
+
+
+def test_timing_json_records_the_method_stats_per_layer(tmp_path):
+    """MagicPIG's chosen K, expected sample size and target per sparse layer reach timing.json (issue 21,
+    item 3b); the dense layers 0 and 2 of the 4-layer model have none."""
+    run_dir = run_eval(tiny_cfg(tmp_path, cache="magicpig", budget=24))
+    timing = json.loads((run_dir / "timing.json").read_text())
+    stats = timing["method_stats"]
+    assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}
+    assert stats["lsh_bits"][0] is None and stats["lsh_bits"][2] is None
+    assert all(stats["lsh_bits"][i] > 0 and stats["sample_target"][i] == 10 for i in (1, 3))
+    per_sample = [r["timing"]["method_stats"]["lsh_bits"][1] for r in read_rows(run_dir)]
+    assert stats["lsh_bits"][1] == pytest.approx(sum(per_sample) / len(per_sample))
+    plain = json.loads((run_eval(tiny_cfg(tmp_path)) / "timing.json").read_text())
+    assert plain["method_stats"] == {}

@@ -151,6 +151,14 @@ class KVCache(compat.Cache):
         the device-side sums once (the only host sync of the accounting)."""
         return [float(s.attended_sum) / s.attended_steps if s.attended_steps else None for s in self.states]
 
+    def method_stats(self) -> dict[str, list[float | None]]:
+        """``{stat: [value per layer, None where the layer has none]}`` of :meth:`KVMethod.layer_stats` (after
+        any background work, which may set them)."""
+        self.wait_background()
+        per_layer = [self.method.layer_stats(s) for s in self.states]
+        names = sorted({k for stats in per_layer for k in stats})
+        return {k: [stats.get(k) for stats in per_layer] for k in names}
+
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]
 

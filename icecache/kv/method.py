@@ -276,6 +276,11 @@ class KVMethod:
         """Past tokens of this layer held in fast (device) memory between steps."""
         return st.resident_tokens()
 
+    def layer_stats(self, st: LayerState) -> dict[str, float]:
+        """Method-specific numbers of one layer for the run's record (``timing.json`` ``method_stats``, e.g.
+        MagicPIG's chosen ``K``); read once per sample after generation. Default: none."""
+        return {}
+
     def check_resident(self, st: LayerState) -> None:
         if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.budget:
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
