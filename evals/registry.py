@@ -19,6 +19,7 @@ METHODS: dict[str, str] = {
     "h2o": "baselines.h2o:H2O",
     "snapkv": "baselines.snapkv:SnapKV",
     "quest": "baselines.quest:Quest",
+    "arkvale": "baselines.arkvale:ArkVale",
     "topk": "baselines.topk_oracle:TopKOracle",
     "pqcache": "baselines.pqcache:PQCache",
     "omnikv": "baselines.omnikv:OmniKV",

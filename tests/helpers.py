@@ -44,6 +44,9 @@ METHOD_CASES = [
     MethodCase("snapkv", covering=dict(budget=54), small=dict(budget=40), invalid=dict(kernel_size=4)),
     MethodCase("quest", covering=dict(budget=64), small=dict(budget=32, n_dense_layers=0),
                invalid=dict(n_dense_layers=-1)),
+    # 4-token pages: 16 pages cover the 56-token context; 8 pages (2 sink, 2 window, top 4 - 3 = 1) do not
+    MethodCase("arkvale", covering=dict(budget=64, page_size=4), small=dict(budget=32, page_size=4),
+               invalid=dict(digest="sphere")),
     MethodCase("topk", covering=dict(budget=54), small=dict(budget=16), invalid=dict(heads="all")),
     MethodCase("pqcache", covering=dict(budget=60), small=dict(budget=24), invalid=dict(n_bits=0)),
     MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
@@ -58,6 +61,11 @@ METHOD_CASES = [
     MethodCase("icecache_reuse", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
                invalid=dict(n_reuse_layers=0), prompt_len=200),
 ]
+
+# what a method needs to accept the budget of 64 that the table-wide tests (test_integrity, test_reliability)
+# give every method: ArkVale's minimum is 8 pages (2 sink + 2 window + page_budgets // 2 - 3 scored), 256
+# tokens at its official 32-token pages
+BUDGET_64_HP = {"arkvale": dict(page_size=8)}
 
 
 def build_tiny(name: str = "tiny-llama", n_kv_heads: int = 2, n_heads: int = 4, n_layers: int = 4, seed: int = 0):

@@ -42,6 +42,7 @@ COVERING = {
     "h2o": (54, {}, 48),
     "snapkv": (54, {}, 48),
     "quest": (64, {}, 48),
+    "arkvale": (64, dict(page_size=4), 48),
     "topk": (54, {}, 48),
     "pqcache": (60, {}, 48),
     "omnikv": (48, dict(filter_layers=[1], wait_layers=0), 48),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DATA_DIR, build_tiny
+from helpers import BUDGET_64_HP, DATA_DIR, build_tiny
 
 from evals import harness, plots, results
 from evals.base import DataError
@@ -238,7 +238,7 @@ def test_a_cache_refuses_a_second_prompt_and_reset_serves_a_new_one(method, one_
     def run(prompt, cache):
         return model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, past_key_values=cache)
 
-    cache = make_cache(method, model, budget=budget)
+    cache = make_cache(method, model, budget=budget, **BUDGET_64_HP.get(method, {}))
     try:
         run(long, cache)
         for prompt in (long, short):
@@ -248,7 +248,7 @@ def test_a_cache_refuses_a_second_prompt_and_reset_serves_a_new_one(method, one_
         again = run(short, cache)
     finally:
         cache.close()
-    fresh = make_cache(method, model, budget=budget)
+    fresh = make_cache(method, model, budget=budget, **BUDGET_64_HP.get(method, {}))
     try:
         assert torch.equal(again, run(short, fresh))
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny
+from helpers import BUDGET_64_HP, build_tiny
 
 from evals.registry import METHODS, make_cache
 from icecache.models import ModelUnavailableError, load_model
@@ -61,7 +61,7 @@ def test_resident_set_never_exceeds_the_budget(method):
     model = build_tiny(n_kv_heads=2, n_heads=4, n_layers=8)
     ids = torch.randint(0, 200, (1, 160), generator=torch.Generator().manual_seed(0))
     budget = None if method == "full" else SMALL_BUDGET
-    cache = make_cache(method, model, budget=budget, debug=True)  # debug asserts the budget every step
+    cache = make_cache(method, model, budget=budget, debug=True, **BUDGET_64_HP.get(method, {}))  # debug asserts the budget every step
     try:
         model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, past_key_values=cache)
     finally:
@@ -80,7 +80,7 @@ def test_same_seed_gives_identical_outputs(method):
     budget = None if method == "full" else SMALL_BUDGET
     outs = []
     for _ in range(2):
-        cache = make_cache(method, model, budget=budget)
+        cache = make_cache(method, model, budget=budget, **BUDGET_64_HP.get(method, {}))
         try:
             out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache,
                                  output_logits=True, return_dict_in_generate=True)
