@@ -57,6 +57,26 @@ def test_no_default_is_written_twice():
             assert value != defaults[key], f"{path}: {key}={value!r} repeats the default"
 
 
+
+def test_a_suite_carries_the_official_setting_of_a_method():
+    """conf/suite_cache/<suite>_<method>.yaml (selected by conf/config.yaml) overrides only that method's
+    options for that suite, differs from the defaults, and loses to the user's own ``cache.<option>``."""
+    pairs = {f"{s}_{m}": (s, m) for s in SUITES for m in METHODS}
+    for path in sorted((CONF / "suite_cache").glob("*.yaml")):
+        assert path.stem in pairs, f"{path} names no (suite, method) pair"
+        overrides = yaml.safe_load(path.read_text())
+        assert set(overrides) == {"cache"}, path
+        defaults = configs.method_defaults(pairs[path.stem][1])
+        for key, value in overrides["cache"].items():
+            assert key in defaults and value != defaults[key], f"{path}: {key}={value!r}"
+    for method in ("icecache", "icecache_reuse"):  # the official GSM8K script passes no --ratio_1: 0.03
+        assert configs.compose_config(["eval=gsm8k", f"cache={method}"])["cache"]["ratio_1"] == 0.03
+        assert configs.compose_config(["eval=passkey", f"cache={method}"])["cache"]["ratio_1"] == 0.01
+        assert configs.compose_config(["eval=longbench", f"cache={method}"])["cache"]["ratio_1"] == 0.01
+        user = configs.compose_config(["eval=gsm8k", f"cache={method}", "cache.ratio_1=0.01"])
+        assert user["cache"]["ratio_1"] == 0.01
+    assert configs.compose_config(["eval=gsm8k", "cache=quest"])["cache"] == configs.method_defaults("quest")
+
 def test_icecache_reuse_extends_icecache_through_the_defaults_list():
     node = configs.method_node("icecache_reuse")
     assert node["defaults"] == ["icecache", "_self_"]
