@@ -73,18 +73,37 @@ def test_rotation_by_delta_composes_like_rope():
                                atol=2e-4, rtol=1e-4)
 
 
-def test_rerotation_scores_depend_on_cache_positions():
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_rerotated_keys_are_the_models_keys_at_the_cache_positions(name):
+    """Reference independent of ``rotate_by``: the model's own rotary embedding (``rotary_emb`` +
+    ``apply_rotary_pos_emb``) applied to the raw keys at the shifted positions. Key ``j`` of the ``m`` resident
+    ones must look as if at cache index ``j`` seen from the query at index ``m - 1``, i.e. at position
+    ``j + (pos_query - (m - 1))`` since the query keeps its own position."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = build_tiny(name, 2, 4)
+    spec = ModelSpec.from_model(model)
+    rotary, d = model.model.rotary_emb, spec.head_dim
+
+    def rope(raw, positions):  # raw [H, n, d] at positions [n], as the model's attention rotates its keys
+        cos, sin = rotary(raw[None], positions[None])
+        return apply_rotary_pos_emb(raw[None], raw[None], cos, sin)[1][0]
+
     torch.manual_seed(0)
-    spec = _spec(n_q=2, n_kv=2)
+    raw = torch.randn(2, 7, d)
+    pos = torch.tensor([0, 1, 50, 51, 52, 53, 54])  # 2 sinks, then a recent window ending at the query
     method = StreamingLLM(budget=6, n_sink=2, rerotate=True)
     method.bind(spec)
     st = LayerState(0)
-    st.k, st.v, st.pos = torch.randn(2, 7, 8), torch.randn(2, 7, 8), torch.tensor([0, 1, 50, 51, 52, 53, 54])
+    st.k, st.v, st.pos = rope(raw, pos), torch.randn(2, 7, d), pos
     fetched = method.fetch(st, None)
-    # key j is attended as if at cache index j relative to the query at index 6: delta_j = j - pos_j
-    expected = rotate_by(st.k, torch.arange(7) - st.pos - (6 - 54), spec.inv_freq)
-    torch.testing.assert_close(fetched.k, expected)
-    assert torch.equal(fetched.k[:, -1], st.k[:, -1])  # the current token is not moved
+    shifted = torch.arange(7) + (54 - 6)
+    torch.testing.assert_close(fetched.k, rope(raw, shifted), atol=1e-4, rtol=1e-4)
+    # so the query's scores are those of a query at cache index 6 against keys at cache indices 0..6
+    q_raw = torch.randn(2, 1, d)
+    scores = rope(q_raw, torch.tensor([54])) @ fetched.k.transpose(1, 2)
+    at_cache = rope(q_raw, torch.tensor([6])) @ rope(raw, torch.arange(7)).transpose(1, 2)
+    torch.testing.assert_close(scores, at_cache, atol=1e-4, rtol=1e-4)
 
 
 def test_rerotate_runs_end_to_end():
