@@ -174,34 +174,54 @@ def test_omnikv_layer_roles_follow_the_official_code():
     assert okv.scaled_filter_layers(30) == (2, 8, 17)
 
 
-class RecordingOmniKV(okv.OmniKV):
-    """Logs (layer, step, query, selection) of every decode step."""
-
-    def select(self, st, q):
-        sel = super().select(st, q)
-        self.log.append((st.layer_idx, st.n_seen, q.clone(), sel))
-        return sel
-
-
 def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
+    """Reference independent of the cache: each layer's q/k/v recomputed with the model's own projections
+    and rotary embedding from the hidden states entering its attention (forward hooks). At each decode step,
+    the filter layer's query picks the 10 prompt tokens of largest logit (max over its query heads; OmniKV
+    ``last``), and each sparse layer's attention output (the input of its ``o_proj``) must be exact
+    attention over those prompt tokens plus every generated token."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
     model = build_tiny("tiny-llama", 2, 4, n_layers=6)
-    method = RecordingOmniKV(budget=10, filter_layers=[1, 3], wait_layers=0, debug=True)
-    method.log = []
+    hidden, attn_out = {i: [] for i in range(6)}, {i: [] for i in range(6)}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: hidden[i].append(kwargs["hidden_states"][0].detach()), with_kwargs=True))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(
+            lambda mod, args, i=i: attn_out[i].append(args[0][0].detach())))
+    method = okv.OmniKV(budget=10, filter_layers=[1, 3], wait_layers=0, debug=True)
     cache = make_cache(method, model)
-    model.generate(_ids(40), max_new_tokens=6, min_new_tokens=6, do_sample=False, past_key_values=cache)
+    try:
+        model.generate(_ids(40), max_new_tokens=6, min_new_tokens=6, do_sample=False, past_key_values=cache)
+    finally:
+        for h in hooks:
+            h.remove()
     assert {i for i in range(6) if method.is_budgeted(i)} == {2, 4, 5}
-    filters = {(layer, step): q for layer, step, q, _ in method.log if layer in (1, 3)}
-    sparse = [(layer, step, sel) for layer, step, _, sel in method.log if method.is_budgeted(layer)]
-    assert len(sparse) == 3 * 5  # 6 new tokens: the first comes from the prefill pass
-    for layer, step, sel in sparse:
-        group = 1 if layer == 2 else 3
-        q, k = filters[(group, step)], cache.states[group].k[:, :40]
-        logits = torch.einsum("hd,hnd->hn", q[:, 0], k.repeat_interleave(2, 0)).max(0).values
-        assert torch.equal(sel, logits.topk(10).indices.sort().values)
-    for layer in (2, 4, 5):  # last step: what was attended = K/V of the selection + every generated token
-        st = cache.states[layer]
-        assert torch.equal(st.part_k, st.store_k[:, st.selected])
-        assert torch.equal(st.pos, torch.arange(40, st.n_seen))
+    n_q, n_kv = 4, 2
+    d = model.config.hidden_size // n_q
+
+    def qkv(i):  # [H, n, d] for every position so far (prefill + decode calls), rotated at their positions
+        attn, x = model.model.layers[i].self_attn, torch.cat(hidden[i])
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, n_q, d).transpose(0, 1)[None]
+        k = attn.k_proj(x).view(n, n_kv, d).transpose(0, 1)[None]
+        v = attn.v_proj(x).view(n, n_kv, d).transpose(0, 1)[None]
+        cos, sin = model.model.rotary_emb(x[None], torch.arange(n)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q[0], repeat_kv(k, n_q // n_kv)[0], repeat_kv(v, n_q // n_kv)[0]
+
+    with torch.no_grad():
+        for layer, filt in ((2, 1), (4, 3), (5, 3)):
+            fq, fk, _ = qkv(filt)
+            q, k, v = qkv(layer)
+            for step, t in enumerate(range(40, 45)):  # 6 new tokens: the first comes from the prefill pass
+                chosen = torch.einsum("hd,hnd->hn", fq[:, t], fk[:, :40]).max(0).values.topk(10).indices
+                keys = torch.cat([chosen.sort().values, torch.arange(40, t + 1)])
+                probs = torch.softmax(torch.einsum("hd,hnd->hn", q[:, t], k[:, keys]) * d ** -0.5, -1)
+                want = torch.einsum("hn,hnd->hd", probs, v[:, keys]).reshape(-1)
+                torch.testing.assert_close(attn_out[layer][1 + step][0], want, atol=1e-5, rtol=1e-4)
+    for layer in (2, 4, 5):
         assert cache.effective_tokens()[layer] == 10 + 2.0  # generated tail of 0..4 past tokens
     cache.close()
 
