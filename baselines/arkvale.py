@@ -10,12 +10,14 @@ attended per head are ``budget - page_size + (tokens in the last page) - 1 <= bu
 effective tokens). The pages are ``n_sink_pages`` sinks, ``n_win_pages`` window pages (the newest, the
 partial one included) and ``page_budgets - n_sink_pages - n_win_pages`` pages recalled by score.
 
-* **Digest** (``InferState._summarize_keys``): per full page and KV head, the centre ``c = (max + min) / 2``
-  of its keys and a radius ``r``. The official radius (``digest='cuboid_mean'``, the default) is the *mean*
-  absolute deviation ``mean_j |c - k_j|`` per dimension, so the box ``[c - r, c + r]`` is tighter than the
-  keys' bounding box and its bound is *not* an upper bound of ``q . k`` (a heuristic score).
-  ``digest='cuboid_max'`` uses the half range ``(max - min) / 2``: the true bounding box, whose bound is one.
-  The partial last page has no digest (the official digests a page when the next one starts).
+* **Digest** (paper Section 5.2, "bounding-cuboid"; ``InferState._summarize_keys``): per full page and KV
+  head, the centre ``c = (max + min) / 2`` of its keys and a radius vector ``r``. The paper offers three
+  radii: ``r_max = max_j |c - k_j|`` (``digest='cuboid_max'``, the keys' bounding box: "only r_max guarantees
+  to enclose all points", so its score is an upper bound of ``q . k``), ``r_center = (min_j |c - k_j| +
+  r_max) / 2`` (``cuboid_center``) and ``r_mean = mean_j |c - k_j|`` (``cuboid_mean``, the default: the one
+  the official code computes and the best of the paper's Figure 7, 95% top-1 page recall, Section 6.2); the
+  last two give a tighter box whose score is *not* an upper bound (a heuristic importance). The partial
+  last page has no digest (the official digests a page when the next one starts).
 * **Score** (``estimate.cu``, ``compute_cuboid_scores``): ``sum_i max(q_i (c_i + r_i), q_i (c_i - r_i))`` per
   query head, then the *mean* over the query heads of a selection group (``estimate_scores``: ``.mean(2)``).
   The official default ``n_groups = 1`` makes one group of every head: the layer selects one page set for
@@ -53,19 +55,22 @@ from icecache.kv.attention import causal_attention
 from icecache.kv.method import append_to_buffer
 from icecache.offload import HostKV
 
-DIGESTS = ("cuboid_mean", "cuboid_max")
+DIGESTS = ("cuboid_mean", "cuboid_center", "cuboid_max")
 
 
 def page_digests(k: torch.Tensor, page_size: int, digest: str = "cuboid_mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Centre and radius ``[H, n // page_size, d]`` of the full pages of ``k: [H, n, d]`` (a partial tail is
-    ignored): ``c = (max + min) / 2``; ``r = mean |c - k|`` (``cuboid_mean``, official ``_summarize_keys``) or
-    ``(max - min) / 2`` (``cuboid_max``, the bounding box)."""
+    ignored): ``c = (max + min) / 2``; per dimension ``r = mean |c - k|`` (``cuboid_mean``, official
+    ``_summarize_keys``), ``(min |c - k| + r_max) / 2`` (``cuboid_center``) or ``r_max = (max - min) / 2``
+    (``cuboid_max``, the bounding box)."""
     h, n, d = k.shape
     pages = k[:, : n // page_size * page_size].float().reshape(h, -1, page_size, d)
     hi, lo = pages.amax(2), pages.amin(2)
-    centre = (hi + lo) / 2
-    radius = (centre[:, :, None] - pages).abs().mean(2) if digest == "cuboid_mean" else (hi - lo) / 2
-    return centre, radius
+    centre, r_max = (hi + lo) / 2, (hi - lo) / 2
+    if digest == "cuboid_max":
+        return centre, r_max
+    dev = (centre[:, :, None] - pages).abs()
+    return centre, dev.mean(2) if digest == "cuboid_mean" else (dev.amin(2) + r_max) / 2
 
 
 def page_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,8 @@ class ArkVale(KVMethod):
         n_win_pages: newest pages always resident, the partial one included (official 2; at least 2).
         page_topks: pages selected per step, sinks and window included (0: ``page_budgets // 2``, the
             official default; the LongBench script passes 32).
-        digest: ``cuboid_mean`` (official radius, mean absolute deviation) or ``cuboid_max`` (bounding box).
+        digest: ``cuboid_mean`` (official radius, mean absolute deviation), ``cuboid_center`` or ``cuboid_max``
+            (the bounding box; paper Section 5.2).
         n_dense_layers: first layers without a budget (official ``n_unlimited_layers``, default 0).
     """
 

@@ -43,7 +43,8 @@ def test_bounding_box_digest_bounds_every_page(seed):
 
 def test_official_digest_is_the_mean_deviation_box_and_not_a_bound():
     """``cuboid_mean`` is the official ``_summarize_keys`` (layout ``[bsz, pages, page_size, H, d]``), whose box
-    is tighter than the keys' range: on random keys some page's score is below its true max."""
+    is tighter than the keys' range: on random keys some page's score is below its true max. ``cuboid_center``
+    is the paper's third radius (Section 5.2); both lie within the bounding box's."""
     g = torch.Generator().manual_seed(0)
     k = torch.randn(2, 64, 8, generator=g)
     keys = k.permute(1, 0, 2).reshape(1, 8, 8, 2, 8)  # official layout
@@ -58,6 +59,11 @@ def test_official_digest_is_the_mean_deviation_box_and_not_a_bound():
     bound = torch.stack([page_scores(q[h: h + 1], centre[h // 2: h // 2 + 1], radius[h // 2: h // 2 + 1])
                          for h in range(4)])
     assert (bound < exact - 1e-3).any()
+    _, r_center = page_digests(k, 8, "cuboid_center")
+    _, r_max = page_digests(k, 8, "cuboid_max")
+    dev = (centers.reshape(1, 8, 1, 2, 8) - keys).abs()  # the paper's r_center = (min |c - k| + r_max) / 2
+    torch.testing.assert_close(r_center, ((dev.amin(2) + dev.amax(2)) / 2)[0].permute(1, 0, 2))
+    assert (radius <= r_max + 1e-6).all() and (r_center <= r_max + 1e-6).all()
 
 
 def build(budget=32, page_size=4, prompt=48, seed=0, **hp):
