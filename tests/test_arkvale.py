@@ -127,16 +127,20 @@ def test_selected_page_is_recalled_into_the_lowest_scored_resident_slot():
     assert st.recalls == 1
 
 
-def test_decode_bookkeeping_holds_over_many_steps():
-    method, st, k, v = build(budget=48, page_topks=5)  # 12 slots, top 5 - 2 - 1 = 2 pages per step
+@pytest.mark.parametrize("prompt", [48, 21])  # over the budget from the prefill, or only after 27 decode steps
+def test_decode_bookkeeping_holds_over_many_steps(prompt):
+    method, st, k, v = build(budget=48, page_topks=5, prompt=prompt)  # 12 slots, top 5 - 2 - 1 = 2 per step
     g = torch.Generator().manual_seed(1)
-    for _ in range(40):
+    for _ in range(88 - prompt):
         new_k, new_v = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)
         st.n_seen += 1
         method.append(st, new_k, new_v)
         k, v = torch.cat([k, new_k], 1), torch.cat([v, new_v], 1)
         selected = method.select(st, torch.randn(4, 1, 8, generator=g))
         fetched = method.fetch(st, selected)
+        if st.n_seen <= 48:  # the context fits: every token attended, in order, no selection
+            assert selected is None and torch.equal(fetched.k, k)
+            continue
         assert (st.page_slot[selected] >= 0).all()  # every selected page is resident after the step
         assert fetched.k.shape[1] == 11 * 4 + (st.n_seen - 1) % 4 + 1  # the attended rows: every resident one
         check_slots(method, st, k, v)
