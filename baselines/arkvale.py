@@ -43,7 +43,9 @@ always a prefix of the buffers. ``n_dense_layers`` leading layers are exempt (``
 which also passes ``page_topks=32``, ``n_sink_pages=1``).
 
 The smallest budget at 32-token pages is 256 (8 pages: ``8 // 2 - 2 - 1 = 1`` scored page); smaller budgets
-need smaller pages (``cache.page_size=16`` for 128, ``8`` for 64). Measured with SmolLM2-135M on passkey
+need smaller pages (``cache.page_size=16`` for 128, ``8`` for 64). A fractional budget (GSM8K's
+``budget=0.1``) resolves to multiples of 16 tokens, at least 64: only ``page_size=8`` takes all of them (the
+run's config check says so otherwise). Measured with SmolLM2-135M on passkey
 (2k + 4k tokens, 5 depths, seed 0; 10 samples): 100 at budget 256 (either digest), 100 at 128 (16-token
 pages), 90 at 64 (8-token pages), effective tokens 229 / 117 / 59; Quest on the same samples: 60 at 256,
 40 at 64. About 0.4-1.3 pages recalled per layer per sample over the answer's few decode steps.

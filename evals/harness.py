@@ -72,6 +72,10 @@ def plan(cfg: dict) -> Plan:
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
         make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
     except (TypeError, ValueError) as err:
+        if isinstance(err, BudgetError) and isinstance(budget, float) and 0 < budget < 1:
+            raise BudgetError(f"{err} (checked at a {1 << 20}-token prompt: budget={budget} is a fraction of each "
+                              "prompt, resolved to a multiple of 16 tokens, at least 64, which this method does not "
+                              "always accept; give it a whole number of tokens)") from None
         if isinstance(err, (BudgetError, UnknownNameError)):
             raise
         raise ConfigError(f"cache '{name}': {err}") from None

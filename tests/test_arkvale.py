@@ -159,6 +159,18 @@ def test_budget_mapping_and_nearest_valid_budget():
         ArkVale(budget=96, page_topks=4)  # page_topks must stay below the pages: 5 pages of 32 at least
 
 
+def test_a_fractional_budget_it_cannot_take_is_a_config_error_that_says_so(tmp_path):
+    from evals import harness
+
+    cfg = {"model": {"name": "tiny-llama", "path": None, "dtype": "float32", "max_length": 4096},
+           "cache": {"name": "arkvale"}, "eval": {"name": "passkey", "lengths": [160], "depths": 1},
+           "budget": 0.1, "limit": None, "seed": 0, "results_dir": str(tmp_path / "results"), "data_dir": None,
+           "device": "cpu", "debug": False, "progress": False}
+    with pytest.raises(BudgetError, match=r"not a valid page budget.*is a fraction of each prompt"):
+        harness.plan(cfg)
+    harness.plan(dict(cfg, cache={"name": "arkvale", "page_size": 8}))  # takes every multiple of 16 >= 64
+
+
 def test_dense_layers_keep_everything():
     method = ArkVale(budget=32, page_size=4, n_dense_layers=1)
     method.bind(spec())
