@@ -47,6 +47,7 @@ COVERING = {
     "pqcache": (60, {}, 48),
     "omnikv": (48, dict(filter_layers=[1], wait_layers=0), 48),
     "magicpig": (56, {}, 48),
+    "magicpig_official": (56, dict(n_bits=0), 48),  # K = 0: every key sampled, as its contract row
     "icecache": (256, EXHAUSTIVE, 200),
     "icecache_reuse": (256, EXHAUSTIVE, 200),
 }
