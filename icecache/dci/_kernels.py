@@ -192,23 +192,31 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
     return left + 1, right
 
 
+@njit(cache=True, nogil=True)
+def _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl):
+    """The run ``[lo, hi)`` of ``node``'s sorted children that one query scores (:func:`_chunk_walk`; a
+    node of at most ``chunk`` children is scored in full)."""
+    c = 0
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        c += pages.valid[h, pg]
+        pg = pages.next[h, pg]
+    if c <= chunk:
+        return 0, c
+    return _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
+                       pos_sl)
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl,
             best, touched, n_touched, cand_s, cand_v, nc):
     """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
     index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= chunk``
     children is scored in full (the first chunk takes them all). Returns ``(n_touched, nc)``."""
-    c = 0
-    pg = nodes.first[h, node]
-    for _ in range(nodes.npages[h, node]):
-        c += pages.valid[h, pg]
-        pg = pages.next[h, pg]
-    if c == 0:
+    lo, hi = _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
+                          pos_sl)
+    if lo >= hi:
         return n_touched, nc
-    lo, hi = 0, c
-    if c > chunk:
-        lo, hi = _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages,
-                             nodes, pos_pg, pos_sl)
     i = 0  # position of the first slot of page pg in the node's sorted child list
     pg = nodes.first[h, node]
     for _ in range(nodes.npages[h, node]):
@@ -224,8 +232,8 @@ def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes, pos_pg,
-             pos_sl, best, touched, kept):
+def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, pages, nodes, pos_pg, pos_sl, best,
+             touched, kept):
     """The upper levels of one query head's top-down search (see :func:`search`): from the virtual root,
     expand the kept nodes of a level, sort the children found by score and keep the smallest prefix whose
     level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Stops at the nodes whose children
@@ -256,20 +264,6 @@ def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, max_child
             kept[a] = cand_v[order[a]]
         child_level -= 1
     return n_kept, n_touched
-
-
-@njit(cache=True, nogil=True)
-def _node_run(h, node, qp, prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl):
-    """The run ``[lo, hi)`` of ``node``'s sorted children that one query scores at level 0
-    (:func:`_chunk_walk`; a node of at most ``chunk`` children is scored in full)."""
-    c = 0
-    pg = nodes.first[h, node]
-    for _ in range(nodes.npages[h, node]):
-        c += pages.valid[h, pg]
-        pg = pages.next[h, pg]
-    if c <= chunk:
-        return 0, c
-    return _chunk_walk(h, node, c, qp, prop, chunk, k_pages, 0, False, pages, nodes, pos_pg, pos_sl)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -399,10 +393,10 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
     n_runs = 0
     for g in range(n_group):
         n_kept, n_touched[g] = _descend(q_group[g], qps[g], h, k_pages, fov, prop, chunk, top_level,
-                                        n_upper, max_children, pages, nodes, pos_pg, pos_sl, best[g],
-                                        touched[g], kept)
+                                        n_upper, pages, nodes, pos_pg, pos_sl, best[g], touched[g], kept)
         for a in range(n_kept):
-            lo, hi = _node_run(h, kept[a], qps[g], prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl)
+            lo, hi = _visited_run(h, kept[a], qps[g], prop, chunk, k_pages, 0, False, pages, nodes, pos_pg,
+                                  pos_sl)
             runs[n_runs, 0] = kept[a]
             runs[n_runs, 1] = g
             runs[n_runs, 2] = lo
