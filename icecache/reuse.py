@@ -180,35 +180,34 @@ class IceCacheReuse(IceCache):
             raise RuntimeError(f"{self.name}: anchor layer {anchor.layer_idx} made no selection at this step")
         if not self.rerank:
             return anchor.selection
+        queries = q[:, 0].float().cpu().view(anchor.index.heads, self.spec.group, -1)  # [H_kv, G, d]
         cand = anchor.candidates.numpy()
         if self.own_candidates:
-            cand = union_rows(cand, self.own_pages(st, q, anchor))
-        st.selection = self.rerank_pages(st, q, anchor, cand)
+            cand = union_rows(cand, self.own_pages(st, queries, anchor))
+        st.selection = self.rerank_pages(st, queries, anchor, cand)
         return st.selection
 
-    def own_pages(self, st: IceState, q: torch.Tensor, anchor: IceState) -> np.ndarray:
+    def own_pages(self, st: IceState, queries: torch.Tensor, anchor: IceState) -> np.ndarray:
         """The ``own_candidates * K`` pages per KV head of the anchor's layout with the highest bound of this
-        layer's own keys for its query group (best query head), best first, -1 padded: ``[H_kv, c * K]``."""
+        layer's own keys for its query group (best query head), best first, -1 padded: ``[H_kv, c * K]``;
+        ``queries [H_kv, G, d]``."""
         index = anchor.index
         if st.bounds is None:
             st.bounds = PageBounds(index.heads, index.dim)
         st.bounds.refresh(index.page_abs, index.n_pages, st.store.keys(), st.store.first_pos)
-        h = index.heads
-        queries = q[:, 0].float().cpu().view(h, self.spec.group, -1)
         bound = st.bounds.upper_bounds(queries, index.page_valid_np[:, : index.n_pages]).amax(1)  # [H_kv, P]
         top = bound.topk(min(self.own_candidates * self.layout()[2], bound.shape[1]), dim=-1)
         return torch.where(torch.isfinite(top.values), top.indices, -1).numpy()
 
-    def rerank_pages(self, st: IceState, q: torch.Tensor, anchor: IceState, cand: np.ndarray) -> torch.Tensor:
+    def rerank_pages(self, st: IceState, queries: torch.Tensor, anchor: IceState, cand: np.ndarray) -> torch.Tensor:
         """The ``K`` of the candidate pages ``cand [H_kv, C]`` (anchor page ids) with the most attention of this
         layer's query group: per query head the exact softmax over every token of the candidates (this layer's
-        own keys), summed per page and over the group; -1 candidates are never chosen."""
-        h, group = cand.shape[0], self.spec.group
+        own keys), summed per page and over the group; -1 candidates are never chosen. ``queries [H_kv, G, d]``."""
+        h = cand.shape[0]
         positions = anchor.index.page_abs[np.arange(h)[:, None], cand.clip(0)]  # [H_kv, C, s]
         valid = torch.from_numpy((positions >= 0) & (cand >= 0)[..., None])
         rows = torch.from_numpy(np.where(valid.numpy(), positions - st.store.first_pos, 0))
         keys = st.store.keys()[torch.arange(h)[:, None, None], rows].float()  # [H_kv, C, s, d]
-        queries = q[:, 0].float().cpu().view(h, group, -1)
         logits = torch.einsum("hgd,hcsd->hgcs", queries, keys) * self.spec.scaling
         logits = logits.masked_fill(~valid[:, None], float("-inf"))
         probs = logits.flatten(2).softmax(-1).view(logits.shape).nan_to_num(0.0)
