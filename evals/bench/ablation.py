@@ -115,13 +115,16 @@ def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, m
 
 
 def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",),
-         reranks=(0,), props=(0.8,), owns=(0,)) -> list[Config]:
-    """Full and top-k bounds, then every valid IceCache cell of the cross product (IceCache(reuse) once per
-    ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0; ``prop_to_retrieve``
-    once per ``props`` value, named in the label unless it is the official 0.8)."""
+         reranks=(0,), props=(0.8,), owns=(0,), defaults=False) -> list[Config]:
+    """Full and top-k bounds, then (``defaults``) each method as shipped -- ``<method>[default]``, every
+    option left to its budget preset -- then every valid IceCache cell of the cross product (IceCache(reuse)
+    once per ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0;
+    ``prop_to_retrieve`` once per ``props`` value, named in the label unless it is the official 0.8)."""
     cells = [Config("full", "full", None)]
     for budget in budgets:
         cells.append(Config("topk", "topk", budget))
+        if defaults:
+            cells += [Config(f"{method}[default]", method, budget) for method in methods]
         for method, page, sink, merge, prop in itertools.product(methods, page_sizes, sinks, merges, props):
             scoring = {} if prop == 0.8 else {"prop_to_retrieve": prop}
             extras = ([{**scoring, "rerank": r, **({"own_candidates": o} if o else {})}
@@ -171,7 +174,7 @@ def run(args) -> Path:
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
     cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props,
-                 args.own_candidates)
+                 args.own_candidates, args.defaults)
     if args.only:
         cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
     done = done_keys(out)
@@ -275,6 +278,8 @@ def main(argv=None) -> None:
                    help="IceCache(reuse) own_candidates values (pages per K from each reusing layer's own bounds)")
     p.add_argument("--props", nargs="+", type=float, default=[0.8],
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
+    p.add_argument("--defaults", action="store_true",
+                   help="add each method as shipped (<method>[default]: every option from its budget preset)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
@@ -292,7 +297,7 @@ def main(argv=None) -> None:
     if args.recall:
         data = torch.load(args.recall, map_location="cpu")
         cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props,
-                 args.own_candidates)
+                     args.own_candidates, args.defaults)
         if args.only:
             cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
         print(config_recall(data, cells).to_string())
