@@ -57,9 +57,11 @@ bytes copied from the store to the device.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
@@ -104,7 +106,8 @@ def official_preset(budget: int) -> dict:
     rank-interleaved ``first_k_unique`` GQA merge and ``q_prop_to_retrieve = 0.8`` at every budget. At 64
     tokens, where the official code asserts, ``budget_layout="auto"`` gives 1 sink + 1 retrieved + 2 window
     pages."""
-    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, "short_prompt": "dense"}
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, "short_prompt": "dense",
+            "candidate_rule": "official", "prefill_pipeline": "official", "projection": "per_prompt"}
 
 
 def budget_preset(budget: int) -> dict:
@@ -116,9 +119,14 @@ def budget_preset(budget: int) -> dict:
     serves only the group's first query head. With few pages per head, the official partial scoring of large
     nodes (80%) missed the needle's page on pass keys that full found. 4-token pages had a higher attention
     recall still, but a window of 5-8 tokens and missed a pass key that full found."""
+    ours = {"short_prompt": "offload", "candidate_rule": "scored", "prefill_pipeline": "overlap",
+            "projection": "seeded"}
     if budget < 256:
-        return {"page_size": 8, "gqa_merge": "interleaved", "prop_to_retrieve": 1.0, "short_prompt": "offload"}
-    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, "short_prompt": "offload"}
+        return {"page_size": 8, "gqa_merge": "interleaved", "prop_to_retrieve": 1.0, **ours}
+    return {"page_size": 16, "gqa_merge": "interleaved", "prop_to_retrieve": 0.8, **ours}
+
+
+_PREFILLS = itertools.count()  # ``projection="per_prompt"``: one draw per prompt (bound cache) in this process
 
 
 PRESETS = {"budget": budget_preset, "official": official_preset}
@@ -148,10 +156,22 @@ class IceCache(KVMethod):
         always_index: also index prompts of at most ``budget`` tokens (official: only longer ones); with a
             budget that covers the context, every page is then retrieved through the index.
         prop_to_retrieve: share of an expanded node's children scored (official 0.8; ``None``: preset).
+        candidate_rule: which scored keys rank their pages (:class:`~icecache.dci.DCIConfig`): ``"scored"``
+            (every key the search scores; this project's) or ``"official"`` (the C code's ``add_to_list``:
+            each upper level's kept prefix and each expanded level-1 node's ``K`` best children); ``None``:
+            preset. The default's larger candidate set raises the captured-keys recall (docs/fidelity.md).
+        prefill_pipeline: ``"overlap"`` (ours): each layer's offload + index build is queued on the
+            background worker and awaited at that layer's first decode step, so prefill never waits and
+            the builds show in TT2T; ``"official"``: before queueing layer ``i`` the prefill waits for the
+            job queued before it, and it joins the last job before returning, so TTFT includes every build
+            but the overlap of one layer (official ``infer_state``); ``None``: preset.
+        projection: ``"seeded"`` (ours): the projection direction is drawn from ``seed``, the same for every
+            prompt; ``"per_prompt"``: a fresh direction at every prefill (the C code reseeds ``drand48``
+            from the clock at every ``dci_init``), here drawn from ``seed`` and the prompt's number in this
+            process, so a run is reproducible in the same order; ``None``: preset. Either way all layers
+            and heads of one prefill share it, as the official code passes one ``proj_vec`` to every layer.
         ratio_1, ratio_2, search_ratio, min_fov, seed: M-DCI parameters
-            (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts). Every
-            layer uses the same ``seed``, hence one projection direction shared by all layers and heads,
-            as the official code draws one per prefill.
+            (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts).
     """
 
     preset: str = "budget"
@@ -169,6 +189,9 @@ class IceCache(KVMethod):
     search_ratio: float = 1.5e-3
     min_fov: int = 30
     prop_to_retrieve: float | None = None
+    candidate_rule: str | None = None
+    prefill_pipeline: str | None = None
+    projection: str | None = None
     seed: int = 0
     name: ClassVar[str] = "icecache"
     example_budget: ClassVar[int] = 128
@@ -182,6 +205,7 @@ class IceCache(KVMethod):
                 if getattr(self, key) is None:
                     setattr(self, key, value)
         super().__post_init__()
+        self._projection_seed, self._prefill_job = self.seed, None  # redrawn / reset per prompt by bind()
 
     def layout(self) -> tuple[int, int, int]:
         """``(sink, window, retrieved)`` pages of the budget."""
@@ -194,8 +218,10 @@ class IceCache(KVMethod):
         for key in ("page_size", "n_sink_pages", "n_window_pages", "n_dense_layers", "gqa_candidates"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
                 raise ValueError(f"{self.name}: {key} must be a whole number, got {getattr(self, key)!r}")
-        if self.short_prompt not in ("offload", "dense"):
-            raise ValueError(f"{self.name}: short_prompt must be 'offload' or 'dense', got {self.short_prompt!r}")
+        self.check_choice("short_prompt", ("offload", "dense"))
+        self.check_choice("candidate_rule", ("scored", "official"))
+        self.check_choice("prefill_pipeline", ("overlap", "official"))
+        self.check_choice("projection", ("seeded", "per_prompt"))
         if self.budget_layout not in ("auto", "fixed"):
             raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
         if self.gqa_merge not in MERGE_MODES:
@@ -216,13 +242,20 @@ class IceCache(KVMethod):
                               f"budgets: {' or '.join(map(str, near))}")
 
     def bind(self, spec: ModelSpec) -> None:
+        """Per cache, i.e. per prompt: the resident layout and the projection seed of this prompt's indexes."""
         super().bind(spec)
         self.n_slots = self.layout()[2] * (spec.group if self.gqa_merge == "union" else 1)
+        self._prefill_job = None
+        self._projection_seed = self.seed
+        if self.projection == "per_prompt":
+            self._projection_seed = int(np.random.default_rng([self.seed, next(_PREFILLS)]).integers(2**31))
 
     def dci_config(self) -> DCIConfig:
+        """The index configuration of this prefill's layers (their projection seed: see ``projection``)."""
         return DCIConfig(page_size=self.page_size, ratio_1=self.ratio_1, ratio_2=self.ratio_2,
                          search_ratio=self.search_ratio, min_fov=self.min_fov,
-                         prop_to_retrieve=self.prop_to_retrieve, seed=self.seed)
+                         prop_to_retrieve=self.prop_to_retrieve, candidate_rule=self.candidate_rule,
+                         seed=self._projection_seed)
 
     def make_state(self, layer_idx: int) -> IceState:
         return IceState(layer_idx)
@@ -249,12 +282,21 @@ class IceCache(KVMethod):
 
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
-        if not self.is_budgeted(st.layer_idx):
-            return
-        if st.n_seen > self.index_threshold():
+        if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
+            if self.prefill_pipeline == "official":
+                self.join_prefill_job()  # backpressure: one layer's job in flight at a time
             self.offload(st, background=True)
-        elif self.short_prompt == "dense":
+            self._prefill_job = st.pending
+        elif self.is_budgeted(st.layer_idx) and self.short_prompt == "dense":
             st.dense = True  # official: a prompt within the budget is never indexed
+        if self.prefill_pipeline == "official" and st.layer_idx == self.spec.n_layers - 1:
+            self.join_prefill_job()  # the official prefill returns with every index built
+
+    def join_prefill_job(self) -> None:
+        """Waits for the offload job queued last during prefill (``prefill_pipeline="official"``)."""
+        job, self._prefill_job = self._prefill_job, None
+        if job is not None:
+            job.result()
 
     def offload(self, st: IceState, background: bool) -> None:
         """Splits the resident tokens into sink | offloaded | window and starts the offload job."""

@@ -11,6 +11,8 @@ broadcast over leading (head) axes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -57,3 +59,51 @@ def key_projection(keys: torch.Tensor, u: torch.Tensor, m2: torch.Tensor) -> tor
 def query_projection(queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``p(q) = u_{1:d}.q / ||q||`` (``src/dci.c``)."""
     return transform_queries(queries) @ u
+
+
+def search_pages(index, keys: torch.Tensor, q: torch.Tensor, head: int, k_pages: int, fov: int,
+                 rule: str) -> list[int]:
+    """Plain reference of the top-down page search for one query of KV head ``head`` when every child of an
+    expanded node is scored (``prop_to_retrieve = 1``), built from
+    the tree alone (each token's level, parent and page) and fp64 scores ``q.k``: per upper level, the children of
+    the kept nodes ranked by score, keeping at least ``min(fov, found)`` and enough to reach ``k_pages`` level-0
+    pages below them. ``rule="scored"``: every scored token ranks its page; ``"official"`` (the C code's
+    ``add_to_list``): the kept tokens of each upper level and the ``k_pages`` best children of each kept
+    level-1 node. Returns the ranked pages, best first (by their best candidate's score)."""
+    level = torch.as_tensor(index.level[: index.n]).long()
+    parent = index.token_parent[head] + 1  # node ids: 0 = virtual root, i + 1 = token i
+    page = index.token_page[head]
+    score = (keys[head].double() @ q.double()).tolist()
+    children: dict[int, list[int]] = {}
+    for t in range(index.n):
+        children.setdefault(int(parent[t]), []).append(t)
+    leaf_pages: dict[int, int] = {}  # node -> level-0 pages below it
+
+    def pages_below(node: int) -> int:
+        if node not in leaf_pages:
+            kids = children.get(node, [])
+            if kids and int(level[kids[0]]) == 0:
+                leaf_pages[node] = len({int(page[t]) for t in kids})
+            else:
+                leaf_pages[node] = sum(pages_below(t + 1) for t in kids)
+        return leaf_pages[node]
+
+    best: dict[int, float] = {}
+
+    def rank(tokens):
+        for t in tokens:
+            best[int(page[t])] = max(best.get(int(page[t]), -math.inf), score[t])
+
+    kept = [0]
+    top = int(level.max())
+    for _ in range(top):  # levels top .. 1: their nodes are expanded into the level below
+        found = sorted((t for node in kept for t in children.get(node, [])), key=lambda t: -score[t])
+        n_kept = min(fov, len(found))
+        while sum(pages_below(t + 1) for t in found[:n_kept]) < k_pages and n_kept < len(found):
+            n_kept += 1
+        rank(found if rule == "scored" else found[:n_kept])
+        kept = [t + 1 for t in found[:n_kept]]
+    for node in kept:  # level 0
+        kids = sorted(children.get(node, []), key=lambda t: -score[t])
+        rank(kids if rule == "scored" else kids[:k_pages])
+    return sorted(best, key=lambda p: -best[p])

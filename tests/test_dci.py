@@ -14,6 +14,7 @@ from dci_reference import (
     key_key_distance,
     key_projection,
     query_projection,
+    search_pages,
     transform_keys,
     transform_queries,
 )
@@ -426,3 +427,50 @@ def test_group_search_equals_one_search_per_query_head(group, chunk):
         own_pages, own_scores = index.search_scored(q[rows], 3, 8)
         assert torch.equal(pages[rows], own_pages)
         assert torch.equal(scores[rows], own_scores)
+
+
+@pytest.mark.parametrize("rule", ["scored", "official"])
+@pytest.mark.parametrize("ratio_1, k_pages", [(0.02, 3), (0.05, 1), (0.1, 6)])
+def test_search_equals_the_tree_reference_under_both_candidate_rules(rule, ratio_1, k_pages):
+    """Every child of an expanded node scored (prop 1): the kernel's ranked pages equal a plain search over
+    the tree (tests/dci_reference.py), for this project's candidate rule and the C code's."""
+    heads, n = 2, 1500
+    keys = _keys(heads, n, seed=11)
+    index = MDCIIndex.build(keys, torch.arange(n), DCIConfig(ratio_1=ratio_1, prop_to_retrieve=1.0,
+                                                             candidate_rule=rule))
+    q = torch.randn(6, D, generator=torch.Generator().manual_seed(12))
+    fov = index.cfg.fov(n)
+    pages = index.search_scored(q, k_pages, 10)[0]
+    for qh in range(6):
+        ref = search_pages(index, keys, q[qh], qh // 3, k_pages, fov, rule)[:10]
+        assert pages[qh, : len(ref)].tolist() == ref
+        assert (pages[qh, len(ref):] == -1).all()
+
+
+def test_official_candidate_rule_ranks_fewer_pages_and_changes_some_results():
+    """The C rule's candidates are a subset of the default's: each page's score under it is at most the
+    default's and fewer pages are ranked; on keys with a planted cluster the query points at (its high
+    scorers crowd a few level-1 nodes, more than ``K`` children each) some top-K results differ."""
+    gen = torch.Generator().manual_seed(15)
+    keys = _keys(1, 2000, seed=13)
+    center = torch.randn(D, generator=gen)
+    center = center / center.norm() * 4
+    keys[0, :300] = center + 0.5 * torch.randn(300, D, generator=gen)
+    scored = MDCIIndex.build(keys, torch.arange(2000), DCIConfig(ratio_1=0.02))
+    official = MDCIIndex.build(keys, torch.arange(2000), DCIConfig(ratio_1=0.02, candidate_rule="official"))
+    q = center[None] + 0.5 * torch.randn(64, D, generator=gen)
+    differ = 0
+    for k in (2, 12):
+        p_s, s_s = scored.search_scored(q, k, scored.n_pages)
+        p_o, s_o = official.search_scored(q, k, scored.n_pages)
+        assert ((p_o >= 0).sum(1) < (p_s >= 0).sum(1)).all()
+        for qh in range(64):
+            default = dict(zip(p_s[qh].tolist(), s_s[qh].tolist()))
+            assert all(s <= default[p] for p, s in zip(p_o[qh].tolist(), s_o[qh].tolist()) if p >= 0)
+        differ += int((p_s[:, :k].sort(1)[0] != p_o[:, :k].sort(1)[0]).any(1).sum())
+    assert differ > 0
+
+
+def test_candidate_rule_is_validated():
+    with pytest.raises(ValueError, match="candidate_rule"):
+        DCIConfig(candidate_rule="C")

@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_matches_full, build_tiny, generate_with
 
 from evals.configs import compose_config
 from evals.registry import make_method
-from icecache.kv import BudgetError, ModelSpec
+from icecache.kv import BudgetError, KVCache, ModelSpec, compat
 from icecache.kv.timing import PhaseTimer
 from icecache.offload import OffloadStore
 
@@ -68,6 +69,65 @@ def test_official_short_prompt_is_never_indexed_and_matches_full(method):
     assert not any(s.offloaded for s in cache.states)
     with pytest.raises(ValueError, match="short_prompt"):
         make_method(method, budget=64, short_prompt="never")
+
+
+def test_official_preset_reproduces_the_c_candidate_rule_pipeline_and_projection_draw():
+    """``preset=official`` takes the C code's candidate rule, prefill backpressure and per-prompt projection;
+    the default preset keeps this project's; explicit values win; bad values are refused."""
+    official = make_method("icecache", budget=128, preset="official")
+    assert (official.candidate_rule, official.prefill_pipeline, official.projection) == (
+        "official", "official", "per_prompt")
+    assert official.dci_config().candidate_rule == "official"
+    ours = make_method("icecache", budget=128)
+    assert (ours.candidate_rule, ours.prefill_pipeline, ours.projection) == ("scored", "overlap", "seeded")
+    assert make_method("icecache", budget=128, candidate_rule="official").dci_config().candidate_rule == "official"
+    for key in ("candidate_rule", "prefill_pipeline", "projection"):
+        with pytest.raises(ValueError, match=key):
+            make_method("icecache", budget=128, **{key: "C"})
+
+
+@pytest.mark.parametrize("pipeline", ["overlap", "official"])
+def test_official_prefill_pipeline_keeps_one_build_in_flight_and_returns_with_every_index_built(pipeline):
+    """``prefill_pipeline="official"``: when layer ``i`` queues its job, the job queued before it is done,
+    and the prefill returns with every job done; ``"overlap"`` never waits (the jobs run behind the prefill)."""
+    import time
+    m = make_method("icecache", budget=64, page_size=8, prefill_pipeline=pipeline)
+    slow, events = m.offload_job, []
+
+    def offload_job(st, *args):
+        time.sleep(0.2)
+        slow(st, *args)
+        events.append(("done", st.layer_idx))
+
+    m.offload_job = offload_job
+    submit = m.submit_background
+    m.submit_background = lambda st, fn, *args: (events.append(("queued", st.layer_idx)), submit(st, fn, *args))
+    model = build_tiny("tiny-llama", 2, 4, n_layers=6)
+    cache = KVCache.for_model(m, model)
+    try:
+        cache.begin_prefill()
+        model(torch.randint(0, 256, (1, 200)), use_cache=True, **compat.cache_kwargs(cache))
+        after_prefill = list(events)
+    finally:
+        cache.close()
+    budgeted = [i for i in range(6) if m.is_budgeted(i)]
+    if pipeline == "official":
+        assert after_prefill == [e for i in budgeted for e in (("queued", i), ("done", i))]
+    else:
+        assert [e for e in after_prefill if e[0] == "queued"] == [("queued", i) for i in budgeted]
+        assert sum(e[0] == "done" for e in after_prefill) < len(budgeted)  # 4 x 200 ms behind a tiny prefill
+
+
+@pytest.mark.parametrize("projection", ["seeded", "per_prompt"])
+def test_projection_is_shared_by_the_layers_of_a_prompt_and_redrawn_per_prompt_only_when_asked(projection):
+    m = make_method("icecache", budget=64, page_size=8, projection=projection)
+    model, directions = build_tiny("tiny-llama", 2, 4), []
+    for _ in range(2):
+        _, cache = generate_with(model, torch.randint(0, 256, (1, 200)), 2, m)
+        layers = [s.index.u for s in cache.states if s.index is not None]
+        assert len(layers) == 2 and all(np.array_equal(u, layers[0]) for u in layers)
+        directions.append(layers[0])
+    assert np.array_equal(*directions) == (projection == "seeded")
 
 
 # --------------------------------------------------------------------------- budgets and layouts

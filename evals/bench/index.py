@@ -250,11 +250,18 @@ def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, ind
 
 
 def variants(index: MDCIIndex) -> dict:
-    """The default index and the first port's visiting rule (``visit_chunk=1``: exactly
-    ``ceil(0.8 c)`` children per expanded node) over the same tree."""
-    chunk1 = copy.copy(index)
-    chunk1.cfg = dataclasses.replace(index.cfg, visit_chunk=1)
-    return {"icecache": index, "icecache_chunk1": chunk1}
+    """The default index, the first port's visiting rule (``visit_chunk=1``: exactly ``ceil(0.8 c)``
+    children per expanded node) and the C code's candidate rule (``candidate_rule="official"``) over the
+    same tree."""
+    return {"icecache": index, "icecache_chunk1": _with(index, visit_chunk=1),
+            "icecache_c_rule": _with(index, candidate_rule="official")}
+
+
+def _with(index: MDCIIndex, **cfg) -> MDCIIndex:
+    """The same tree searched with other query-time settings."""
+    other = copy.copy(index)
+    other.cfg = dataclasses.replace(index.cfg, **cfg)
+    return other
 
 
 def model_spec(data: dict) -> ModelSpec:

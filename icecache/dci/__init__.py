@@ -62,9 +62,14 @@ Differences from the C code, and why:
   16-slot blocks with keys stored contiguously (``[H, P, 16, d]`` fp32), so scoring a node is a dense
   scan. The children visited by the chunk walk always form one contiguous run of the sorted list,
   which is scored page by page.
-- Prefix rule: applied at every level whose nodes have children; at level 0 every scored token is a
-  candidate and the result is the ``K`` pages with the best tokens (per-page max score), which is the
-  "distinct pages in order of their best token" of ``dci_query`` without materialising a sorted token list.
+- Candidates (``DCIConfig.candidate_rule``): the result is the ``K`` distinct pages in order of their best
+  candidate token, as in ``dci_query``. By default (``"scored"``) every token the search scores is a
+  candidate, upper levels included. The C code (``dci_query_single_point``, ``add_to_list``) keeps fewer:
+  each upper level's kept prefix and only the ``K`` best children of each expanded level-1 node, so a page
+  whose best child ranks below ``K`` in its node is never returned; ``"official"`` reproduces that rule.
+  The larger candidate set is where this index's attention recall gain over the authors' comes from
+  (docs/fidelity.md). The prefix rule itself (keep ``fov`` nodes, more until ``K`` level-0 pages) is the
+  C code's at every level whose nodes have children.
 - Parents: exact brute force (one dense matmul per chunk, batched over heads) whatever the upper
   level's size; the approximate top-down construction search used above ``exact_parent_threshold``
   upper points (n >~ 300k tokens with the defaults) is not implemented. The level-0 anchor shortcut

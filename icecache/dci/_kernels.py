@@ -118,25 +118,38 @@ def leaf_page_counts(parent, level, by_level, nodes):
 # ----------------------------------------------------------------------------- query (``dci_query``)
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _score_page(h, qv, pg, s0, s1, upper, pages, best, touched, n_touched, cand_s, cand_v, nc):
-    """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of page ``pg``: updates the page's best score
-    and, above level 0, appends (score, node index) of each child. Returns ``(n_touched, nc)``."""
+def _score_page(h, qv, pg, s0, s1, rank, pages, best, touched, n_touched, cand_s, cand_v, cand_p, nc):
+    """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of upper-level page ``pg``, appended as candidates
+    (score, node index, page); with ``rank`` (rule ``"scored"``) they also update the page's best score.
+    Returns ``(n_touched, nc)``."""
     d = qv.shape[0]
     top = best[pg]
-    if top == -np.inf:
-        touched[n_touched] = pg
-        n_touched += 1
     for s in range(s0, s1):
         acc = np.float32(0.0)
         for j in range(d):
             acc += qv[j] * pages.keys[h, pg, s, j]
         top = max(top, acc)
-        if upper:
-            cand_s[nc] = acc
-            cand_v[nc] = pages.loc[h, pg, s] + 1
-            nc += 1
-    best[pg] = top
+        cand_s[nc] = acc
+        cand_v[nc] = pages.loc[h, pg, s] + 1
+        cand_p[nc] = pg
+        nc += 1
+    if rank:
+        if best[pg] == -np.inf:
+            touched[n_touched] = pg
+            n_touched += 1
+        best[pg] = top
     return n_touched, nc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rank(pg, score, best, touched, n_touched):
+    """Page ``pg``'s best score becomes at least ``score`` (recorded as touched the first time); returns
+    ``n_touched``."""
+    if best[pg] == -np.inf:
+        touched[n_touched] = pg
+        n_touched += 1
+    best[pg] = max(best[pg], score)
+    return n_touched
 
 
 @njit(cache=True, nogil=True)
@@ -208,12 +221,12 @@ def _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, upper, page
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl,
-            best, touched, n_touched, cand_s, cand_v, nc):
+def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, rank, pages, nodes, pos_pg, pos_sl,
+            best, touched, n_touched, cand_s, cand_v, cand_p, nc):
     """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
-    index): score exactly the children :func:`_chunk_walk` visits. A node with ``c <= chunk``
+    index) above level 0: score exactly the children :func:`_chunk_walk` visits. A node with ``c <= chunk``
     children is scored in full (the first chunk takes them all). Returns ``(n_touched, nc)``."""
-    lo, hi = _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
+    lo, hi = _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, True, pages, nodes, pos_pg,
                           pos_sl)
     if lo >= hi:
         return n_touched, nc
@@ -224,23 +237,25 @@ def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, upper, pages
         s0 = max(lo - i, 0)
         s1 = min(hi - i, v)
         if s0 < s1:
-            n_touched, nc = _score_page(h, qv, pg, s0, s1, upper, pages, best, touched, n_touched,
-                                        cand_s, cand_v, nc)
+            n_touched, nc = _score_page(h, qv, pg, s0, s1, rank, pages, best, touched, n_touched,
+                                        cand_s, cand_v, cand_p, nc)
         i += v
         pg = pages.next[h, pg]
     return n_touched, nc
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, pages, nodes, pos_pg, pos_sl, best,
-             touched, kept):
+def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, official, pages, nodes, pos_pg, pos_sl,
+             best, touched, kept):
     """The upper levels of one query head's top-down search (see :func:`search`): from the virtual root,
     expand the kept nodes of a level, sort the children found by score and keep the smallest prefix whose
-    level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Stops at the nodes whose children
-    are level-0 pages, written to ``kept``. Returns ``(n_kept, n_touched)``, ``n_kept = 0`` when a level
-    has no children (nothing left to expand)."""
+    level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Every scored child ranks its page,
+    or (``official``, the C rule) only the kept prefix. Stops at the nodes whose children are level-0
+    pages, written to ``kept``. Returns ``(n_kept, n_touched)``, ``n_kept = 0`` when a level has no
+    children (nothing left to expand)."""
     cand_s = np.empty(n_upper + 1, dtype=np.float32)
     cand_v = np.empty(n_upper + 1, dtype=np.int64)
+    cand_p = np.empty(n_upper + 1, dtype=np.int64)
     kept[0] = 0
     n_kept = 1
     n_touched = 0
@@ -248,8 +263,8 @@ def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, pages, no
     while child_level > 0:
         nc = 0
         for a in range(n_kept):
-            n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, fov, k_pages, True, pages, nodes,
-                                    pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, nc)
+            n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, fov, k_pages, not official, pages, nodes,
+                                    pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, cand_p, nc)
         if nc == 0:
             return 0, n_touched
         order = np.argsort(-cand_s[:nc])
@@ -262,8 +277,35 @@ def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, pages, no
             n_kept += 1
         for a in range(n_kept):
             kept[a] = cand_v[order[a]]
+            if official:
+                n_touched = _rank(cand_p[order[a]], cand_s[order[a]], best, touched, n_touched)
         child_level -= 1
     return n_kept, n_touched
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p):
+    """Level 0 under the C rule (``dci_query_single_point_single_level`` with ``num_neighbours = K`` and
+    ``add_to_list``): of the children ``lo .. hi-1`` of ``node`` that the query scores, only the ``K``
+    best rank their pages (ties: the earlier child in projection order). Returns ``n_touched``."""
+    n = 0
+    i = 0
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        v = pages.valid[h, pg]
+        for s in range(max(lo - i, 0), min(hi - i, v)):
+            acc = np.float32(0.0)
+            for j in range(qv.shape[0]):
+                acc += qv[j] * pages.keys[h, pg, s, j]
+            buf_s[n] = acc
+            buf_p[n] = pg
+            n += 1
+        i += v
+        pg = pages.next[h, pg]
+    order = np.argsort(-buf_s[:n], kind="mergesort")
+    for a in range(min(k_pages, n)):
+        n_touched = _rank(buf_p[order[a]], buf_s[order[a]], best, touched, n_touched)
+    return n_touched
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -376,11 +418,12 @@ def _top_pages(best, touched, n_touched, out_row, score_row):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages,
-                  nodes, out, out_scores):
+def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, official,
+                  pages, nodes, out, out_scores):
     """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
     descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
-    scored for the group in one pass (:func:`_score_level0`)."""
+    scored for the group in one pass (:func:`_score_level0`), or per query under the C rule
+    (:func:`_rank_top_children`)."""
     n_group = q_group.shape[0]
     n_pages_h = pages.used[h]
     best = np.full((n_group, n_pages_h), -np.inf, dtype=np.float32)
@@ -393,7 +436,8 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
     n_runs = 0
     for g in range(n_group):
         n_kept, n_touched[g] = _descend(q_group[g], qps[g], h, k_pages, fov, prop, chunk, top_level,
-                                        n_upper, pages, nodes, pos_pg, pos_sl, best[g], touched[g], kept)
+                                        n_upper, official, pages, nodes, pos_pg, pos_sl, best[g], touched[g],
+                                        kept)
         for a in range(n_kept):
             lo, hi = _visited_run(h, kept[a], qps[g], prop, chunk, k_pages, 0, False, pages, nodes, pos_pg,
                                   pos_sl)
@@ -402,15 +446,22 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
             runs[n_runs, 2] = lo
             runs[n_runs, 3] = hi
             n_runs += 1
-    order = np.argsort(runs[:n_runs, 0], kind="mergesort")
-    sorted_runs = runs[order]
-    _score_level0(h, q_group, sorted_runs, n_runs, pages, nodes, best, touched, n_touched)
+    if official:
+        buf_s = np.empty(max_children, dtype=np.float32)
+        buf_p = np.empty(max_children, dtype=np.int64)
+        for r in range(n_runs):
+            g = runs[r, 1]
+            n_touched[g] = _rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3], k_pages, pages,
+                                              nodes, best[g], touched[g], n_touched[g], buf_s, buf_p)
+    else:
+        order = np.argsort(runs[:n_runs, 0], kind="mergesort")
+        _score_level0(h, q_group, runs[order], n_runs, pages, nodes, best, touched, n_touched)
     for g in range(n_group):
         _top_pages(best[g], touched[g], n_touched[g], out[g], out_scores[g])
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, pages, nodes,
+def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, official, pages, nodes,
            out, out_scores):
     """Top-down page search of every query head (``dci_query``), in parallel over KV heads; writes
     ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
@@ -418,10 +469,13 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
 
     From the virtual root, expand the kept nodes of a level (:func:`_expand`), sort the children
     found by score and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least
-    ``min(fov, found)``. Every scored token (upper levels included) is a candidate; the result is
-    the distinct pages in order of their best token's score. ``n_upper`` bounds the number of
-    upper-level (level >= 1) tokens, ``max_children`` the children of one node. The ``group`` query
-    heads of a KV head search together (:func:`_search_group`): same pages and scores as one search
+    ``min(fov, found)``. The result is the distinct pages in order of their best candidate token's score.
+    The candidates: every scored token, upper levels included (``official=False``, this project's
+    default), or the C rule (``official``, ``dci_query_single_point`` with ``add_to_list``): the kept
+    prefix of each upper level and the ``K`` best scored children of each expanded level-1 node (a subset
+    of the default's candidates). ``n_upper`` bounds the
+    number of upper-level (level >= 1) tokens, ``max_children`` the children of one node. The ``group``
+    query heads of a KV head search together (:func:`_search_group`): same pages and scores as one search
     per query head, with the level-0 keys read once per group.
     """
     n_q, d = queries.shape
@@ -438,7 +492,7 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
     for h in prange(n_q // group):
         q0 = h * group
         _search_group(qv[q0:q0 + group], qps[q0:q0 + group], h, k_pages, fov, prop, chunk, top_level,
-                      n_upper, max_children, pages, nodes, out[q0:q0 + group], out_scores[q0:q0 + group])
+                      n_upper, max_children, official, pages, nodes, out[q0:q0 + group], out_scores[q0:q0 + group])
 
 
 # ----------------------------------------------------------------------------- insert (``dci_add``)

@@ -23,6 +23,11 @@ class DCIConfig:
             128 in the C code's ``dci_next_closest_proj``): a node with at most 128 children is scored
             in full, a larger one in multiples of 128 until ``prop_to_retrieve`` is reached. 1 gives
             exactly ``ceil(prop_to_retrieve * c)`` children (the behaviour of the first port).
+        candidate_rule: which scored tokens rank their pages in the result. ``"scored"`` (default): every
+            token the search scores, upper levels included; ``"official"``: the C code's rule (``dci.c``,
+            ``dci_query_single_point`` with ``add_to_list``): the kept prefix of each upper level and the
+            ``K`` best scored children of each expanded level-1 node. The default's candidates are a
+            superset; on captured SmolLM2 keys they raise the attention recall (docs/benchmarks.md).
         exact_parent_threshold: parents are found by exact brute force while the upper level has at
             most this many points (``numa_threshold`` = 3000, ``src/dci.c`` construction).
         anchor_interval: every ``anchor_interval``-th level-0 point is an anchor (60, bf16 branch).
@@ -42,6 +47,7 @@ class DCIConfig:
     min_fov: int = 30
     prop_to_retrieve: float = 0.8
     visit_chunk: int = 128
+    candidate_rule: str = "scored"
     exact_parent_threshold: int = 3000
     anchor_interval: int = 60
     anchor_window: int = 60
@@ -56,6 +62,8 @@ class DCIConfig:
             raise ValueError("page_size must be >= 2 (a full page splits in half)")
         if not (0.0 < self.ratio_1 < 1.0 and 0.0 < self.ratio_2 < 1.0):
             raise ValueError("promotion ratios must lie in (0, 1)")
+        if self.candidate_rule not in ("scored", "official"):
+            raise ValueError(f"candidate_rule must be 'scored' or 'official', got {self.candidate_rule!r}")
         if self.visit_chunk < 1:
             raise ValueError("visit_chunk must be >= 1")
         if not 0.0 < self.prop_to_retrieve <= 1.0:

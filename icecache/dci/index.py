@@ -192,7 +192,7 @@ class MDCIIndex:
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
                         self.cfg.visit_chunk, self.top_level, self.n_upper, self._max_children,
-                        self._pages, self._nodes, out, scores)
+                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores)
         return torch.from_numpy(out), torch.from_numpy(scores)
 
     # ------------------------------------------------------------------------- insert
