@@ -28,7 +28,8 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, causal_attention
 from icecache.kv.attention import attention_logits, expand_heads
-from icecache.kv.per_head import GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, store_per_head
+from icecache.kv.per_head import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, append_scores,
+                                  evict_one_per_head, keep_per_head, store_per_head)
 
 
 def attention_column_sums(q: torch.Tensor, k: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
@@ -120,15 +121,16 @@ class H2O(KVMethod):
 
     def observe(self, st: PerHeadState, q, fetched, selection) -> None:
         """Adds this step's probabilities to the scores, then drops each head's lowest-scored
-        non-recent token once the head holds more than ``budget`` past tokens."""
+        non-recent token once the head holds more than ``budget`` past tokens (ties: the earliest position,
+        as the official ``argmin`` over tokens in order). The ``recent`` newest positions are never dropped,
+        so the non-recent tokens are those before position ``n_seen - recent``."""
         h_kv, m = st.k.shape[0], st.k.shape[1]
-        st.score = torch.cat([st.score, st.score.new_zeros(h_kv, st.score.shape[1], 1)], dim=2)
+        append_scores(st, st.score.new_zeros(h_kv, st.score.shape[1], 1))
         st.score += st.probs.view(h_kv, -1, m)
         st.probs = None
         if m <= self.budget:
             return
-        older = m - self.recent_size
-        ranked = aggregate_group(st.score[..., :older], h_kv, self.group_agg)
-        victim = ranked.argmin(-1, keepdim=True)  # [H_kv, 1]
-        slots = torch.arange(m, device=victim.device).expand(h_kv, -1)
-        keep_per_head(st, slots[slots != victim].view(h_kv, m - 1))
+        ranked = aggregate_group(st.score, h_kv, self.group_agg)
+        ranked = ranked.masked_fill(st.pos >= st.n_seen - self.recent_size, float("inf"))
+        lowest = ranked == ranked.amin(-1, keepdim=True)
+        evict_one_per_head(st, torch.where(lowest, st.pos, st.n_seen).argmin(-1))

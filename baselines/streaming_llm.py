@@ -20,7 +20,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 
-from .common import keep_sinks_and_recent
+from .common import evict_slot, keep_sinks_and_recent
 
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -62,18 +62,24 @@ class StreamingLLM(KVMethod):
         self.evict(st)
 
     def observe(self, st: LayerState, q, fetched, selection) -> None:
-        self.evict(st)
+        """Once the layer holds ``budget + 1`` tokens, the oldest non-sink one leaves, in O(1)
+        (:func:`~baselines.common.evict_slot`: the newest token takes its slot)."""
+        if st.k.shape[1] > self.budget:
+            oldest = torch.where(st.pos >= self.n_sink, st.pos, st.n_seen).argmin()
+            evict_slot(st, oldest)
 
     def evict(self, st: LayerState) -> None:
-        """Keeps the ``n_sink`` first and ``budget - n_sink`` most recent tokens."""
+        """Keeps the ``n_sink`` first and ``budget - n_sink`` most recent tokens (after prefill, slots in
+        position order)."""
         if st.k.shape[1] > self.budget:
             keep_sinks_and_recent(st, self.n_sink, self.budget - self.n_sink)
 
     def fetch(self, st: LayerState, selection) -> Fetched:
         if not self.rerotate:
             return Fetched(st.k, st.v)
-        # key j sits at cache index j; the query (last entry) at index m-1 = its original position shift
+        # a key's cache index is its rank by position (slots are not in position order after an eviction);
+        # the query (the last entry, the newest position) sits at index m-1
         m = st.k.shape[1]
-        slot = torch.arange(m, device=st.k.device)
+        rank = st.pos.argsort().argsort()
         query_shift = (m - 1) - st.pos[-1]
-        return Fetched(rotate_by(st.k, (slot - st.pos) - query_shift, self.spec.inv_freq), st.v)
+        return Fetched(rotate_by(st.k, (rank - st.pos) - query_shift, self.spec.inv_freq), st.v)

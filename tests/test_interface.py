@@ -104,6 +104,11 @@ def test_rerotated_keys_are_the_models_keys_at_the_cache_positions(name):
     scores = rope(q_raw, torch.tensor([54])) @ fetched.k.transpose(1, 2)
     at_cache = rope(q_raw, torch.tensor([6])) @ rope(raw, torch.arange(7)).transpose(1, 2)
     torch.testing.assert_close(scores, at_cache, atol=1e-4, rtol=1e-4)
+    # after O(1) evictions the slots are not in position order (the query stays last): a key's cache index
+    # is its rank by position
+    perm = torch.tensor([3, 0, 5, 1, 4, 2, 6])
+    st.k, st.v, st.pos = rope(raw, pos)[:, perm], st.v[:, perm], pos[perm]
+    torch.testing.assert_close(method.fetch(st, None).k, rope(raw, shifted)[:, perm], atol=1e-4, rtol=1e-4)
 
 
 def test_rerotate_runs_end_to_end():

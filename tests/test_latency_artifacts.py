@@ -169,7 +169,38 @@ def _decode(monkeypatch, method: str, budget: int, prompt: int = 150, steps: int
     return cache, counter
 
 
-@pytest.mark.parametrize("method,budget", [("full", None), ("quest", 64), ("streaming_llm", 64)])
+@pytest.mark.parametrize("method", ["streaming_llm", "h2o"])
+def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
+    """StreamingLLM and H2O drop one token per step by moving the newest token into the leaving one's slot:
+    after the first decode step the resident K/V stay views of the same buffers (no copy of the cache per
+    step), every head keeps exactly ``budget`` tokens, and the kept positions are the method's (StreamingLLM:
+    sinks + the most recent; H2O: the ``recent`` newest always among them)."""
+    model = build_tiny("tiny-llama", 2, 4)
+    budget, prompt = 32, 100
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(method, model, budget=budget)
+    ptrs = set()
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for step in range(30):
+            cache.begin_step()
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            cache.end_step()
+            st = cache.states[2]
+            if step:
+                ptrs.add((st.k.data_ptr(), st.v.data_ptr(), st.pos.data_ptr()))
+            n = st.n_seen
+            kept = st.pos.sort(-1).values
+            if method == "streaming_llm":
+                assert kept.tolist() == list(range(4)) + list(range(n - budget + 4, n))
+            else:
+                recent = cache.method.recent_size
+                assert kept.shape[-1] == budget and (kept[:, -recent:] == torch.arange(n - recent, n)).all()
+    cache.close()
+    assert len(ptrs) == 1
+
+
+@pytest.mark.parametrize("method,budget", [("full", None), ("quest", 64), ("streaming_llm", 64), ("h2o", 64)])
 def test_decode_step_issues_no_host_sync(monkeypatch, method, budget):
     cache, counter = _decode(monkeypatch, method, budget)
     assert counter.calls == []

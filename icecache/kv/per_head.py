@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .method import LayerState
+from .method import LayerState, append_to_buffer
 
 GROUP_AGGREGATIONS = ("mean", "sum", "max")
 
@@ -22,13 +22,33 @@ class PerHeadState(LayerState):
 
 
 def store_per_head(st: PerHeadState, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Appends ``k, v: [H_kv, n, d]`` to every head, with per-head original positions."""
+    """Appends ``k, v: [H_kv, n, d]`` to every head, with per-head original positions (amortised O(1) per
+    token: prefix views of geometrically grown buffers, as :meth:`~icecache.kv.KVMethod.store`)."""
     pos = torch.arange(st.n_seen - k.shape[1], st.n_seen, device=k.device).expand(k.shape[0], -1)
-    if st.k is None:
-        st.k, st.v, st.pos = k, v, pos
-    else:
-        st.k, st.v = torch.cat([st.k, k], dim=1), torch.cat([st.v, v], dim=1)
-        st.pos = torch.cat([st.pos, pos], dim=1)
+    st.buffers["k"], st.k = append_to_buffer(st.buffers.get("k"), st.k, k)
+    st.buffers["v"], st.v = append_to_buffer(st.buffers.get("v"), st.v, v)
+    st.buffers["pos"], st.pos = append_to_buffer(st.buffers.get("pos"), st.pos, pos)
+
+
+def append_scores(st: PerHeadState, new: torch.Tensor) -> None:
+    """Appends H2O score columns ``new: [H_kv, G, m]`` (amortised O(1), like :func:`store_per_head`)."""
+    st.buffers["score"], st.score = append_to_buffer(st.buffers.get("score"), st.score, new, dim=2)
+
+
+def evict_one_per_head(st: PerHeadState, victim: torch.Tensor) -> None:
+    """Removes resident entry ``victim[h]`` of every KV head ``h`` (``[H_kv]`` slots) in O(1): the head's last
+    entry moves into the freed slot and the resident views shrink by one, staying prefixes of their buffers
+    (so the next append writes in place). Slot order is then not position order; attention does not depend
+    on it (keys carry their RoPE positions)."""
+    last = st.k.shape[1] - 1
+    moves = [(st.k, 1), (st.v, 1), (st.pos, 1)] + ([(st.score, 2)] if st.score is not None else [])
+    for x, dim in moves:
+        shape = [x.shape[0]] + [1] * (x.dim() - 1)
+        index = victim.view(shape).expand(*x.shape[:dim], 1, *x.shape[dim + 1:])
+        x.scatter_(dim, index, x.narrow(dim, last, 1).clone())
+    st.k, st.v, st.pos = st.k[:, :last], st.v[:, :last], st.pos[:, :last]
+    if st.score is not None:
+        st.score = st.score[..., :last]
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
