@@ -142,12 +142,12 @@ def test_layouts():
 
 
 def test_presets_resolve_per_budget_and_explicit_values_win():
-    """preset=budget: 8-token pages below 256 tokens, the official 16 from 256; official: 16 everywhere;
-    an explicit page_size or gqa_merge overrides either preset."""
+    """preset=budget: 8-token pages below 256 tokens, the official 16 from 256, every child of an expanded node
+    scored; official: 16 everywhere and 80% of a large node; an explicit value overrides either preset."""
     for budget, page in [(32, 8), (64, 8), (120, 8), (128, 8), (248, 8), (256, 16), (512, 16)]:
         m = make_method("icecache", budget=budget)
         assert (m.page_size, m.gqa_merge) == (page, "interleaved")
-        assert m.prop_to_retrieve == (1.0 if budget < 256 else 0.8) == m.dci_config().prop_to_retrieve
+        assert m.prop_to_retrieve == 1.0 == m.dci_config().prop_to_retrieve
         assert make_method("icecache", budget=budget, prop_to_retrieve=0.5).dci_config().prop_to_retrieve == 0.5
         official = make_method("icecache", budget=max(64, budget - budget % 16), preset="official")
         assert (official.page_size, official.gqa_merge, official.prop_to_retrieve) == (16, "interleaved", 0.8)
