@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 from icecache.kv import BudgetError, KVMethod, causal_attention
 from icecache.kv.attention import attention_logits, expand_heads
-from icecache.kv.per_head import GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, store_per_head
+from icecache.kv.per_head import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, remove_slot,
+                                  store_per_head)
 
 POOLINGS = ("max", "avg")
 DECODE_POLICIES = ("pinned", "sliding", "grow")
@@ -191,8 +192,7 @@ class SnapKV(KVMethod):
             st.first_generated -= 1
         else:
             leaving = st.first_generated
-        slots = torch.arange(m, device=st.k.device)
-        keep_per_head(st, slots[slots != leaving].expand(st.k.shape[0], -1))
+        remove_slot(st, leaving)
 
     def check_resident(self, st: SnapState) -> None:
         """``grow`` declares the generated tail exempt: budget + generated tokens may be resident."""

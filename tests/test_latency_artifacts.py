@@ -169,16 +169,17 @@ def _decode(monkeypatch, method: str, budget: int, prompt: int = 150, steps: int
     return cache, counter
 
 
-@pytest.mark.parametrize("method", ["streaming_llm", "h2o"])
+@pytest.mark.parametrize("method", ["streaming_llm", "h2o", "snapkv"])
 def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
     """StreamingLLM and H2O drop one token per step by moving the newest token into the leaving one's slot:
     after the first decode step the resident K/V stay views of the same buffers (no copy of the cache per
     step), every head keeps exactly ``budget`` tokens, and the kept positions are the method's (StreamingLLM:
-    sinks + the most recent; H2O: the ``recent`` newest always among them)."""
+    sinks + the most recent; H2O: the ``recent`` newest always among them; SnapKV (pinned): the observation
+    window and the generated room, in order, after its prompt selection)."""
     model = build_tiny("tiny-llama", 2, 4)
     budget, prompt = 32, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    cache = make_cache(method, model, budget=budget)
+    cache = make_cache(method, model, budget=budget, **({"window_size": 8} if method == "snapkv" else {}))
     ptrs = set()
     with torch.inference_mode():
         out = model(ids, past_key_values=cache, use_cache=True)
@@ -193,6 +194,9 @@ def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
             kept = st.pos.sort(-1).values
             if method == "streaming_llm":
                 assert kept.tolist() == list(range(4)) + list(range(n - budget + 4, n))
+            elif method == "snapkv":
+                newest = min(n - prompt, cache.method.room)  # the generated room slides, in order, at the end
+                assert st.pos.shape[-1] == budget and (st.pos[:, -newest:] == torch.arange(n - newest, n)).all()
             else:
                 recent = cache.method.recent_size
                 assert kept.shape[-1] == budget and (kept[:, -recent:] == torch.arange(n - recent, n)).all()

@@ -63,6 +63,21 @@ def keep_per_head(st: PerHeadState, idx: torch.Tensor) -> None:
         st.score = st.score.gather(2, idx[:, None].expand(-1, st.score.shape[1], -1))
 
 
+def remove_slot(st: PerHeadState, slot: int) -> None:
+    """Removes resident entry ``slot`` of every head, keeping the order of the others: the entries after it
+    move up by one (a copy of the tail only) and the resident views shrink by one, staying prefixes of their
+    buffers (so the next append writes in place) -- what ``keep_per_head`` with every slot but ``slot`` keeps,
+    without gathering the whole cache."""
+    m = st.k.shape[1]
+    moves = [(st.k, 1), (st.v, 1), (st.pos, 1)] + ([(st.score, 2)] if st.score is not None else [])
+    for x, dim in moves:
+        if slot < m - 1:
+            x.narrow(dim, slot, m - 1 - slot).copy_(x.narrow(dim, slot + 1, m - 1 - slot).clone())
+    st.k, st.v, st.pos = st.k[:, : m - 1], st.v[:, : m - 1], st.pos[:, : m - 1]
+    if st.score is not None:
+        st.score = st.score[..., : m - 1]
+
+
 def aggregate_group(scores: torch.Tensor, n_kv_heads: int, how: str) -> torch.Tensor:
     """``[H_q, n]`` (or ``[H_kv, G, n]``) per-query-head scores -> ``[H_kv, n]`` per KV head."""
     grouped = scores.reshape(n_kv_heads, -1, scores.shape[-1])
