@@ -22,7 +22,8 @@ whose pages are groups of semantically close sibling tokens.
   move the offloaded tokens (everything but the sink pages and the last ``n_window`` token-order pages)
   into the offload store and build the M-DCI index over them (token ids = absolute positions). The
   layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
-  computes the worker builds layer ``i`` (pipelined prefill). A prompt of at most ``B`` tokens is
+  computes the worker builds layer ``i`` (pipelined prefill; ``prefill_pipeline="official"`` adds the official
+  backpressure: one job in flight, all joined before prefill returns). A prompt of at most ``B`` tokens is
   not indexed (official fallback): the layer attends everything until its context first exceeds
   ``B`` tokens, then offloads at that step, the index built on the background worker while the rest of the
   step runs (the official code never indexes after prefill and lets the table outgrow the budget:
