@@ -284,13 +284,14 @@ class IceCache(KVMethod):
 
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
-        if self.is_budgeted(st.layer_idx) and st.n_seen > self.index_threshold():
-            if self.prefill_pipeline == "official":
-                self.join_prefill_job()  # backpressure: one layer's job in flight at a time
-            self.offload(st, background=True)
-            self._prefill_job = st.pending
-        elif self.is_budgeted(st.layer_idx) and self.short_prompt == "dense":
-            st.dense = True  # official: a prompt within the budget is never indexed
+        if self.is_budgeted(st.layer_idx):
+            if st.n_seen > self.index_threshold():
+                if self.prefill_pipeline == "official":
+                    self.join_prefill_job()  # backpressure: one layer's job in flight at a time
+                self.offload(st, background=True)
+                self._prefill_job = st.pending
+            elif self.short_prompt == "dense":
+                st.dense = True  # official: a prompt within the budget is never indexed
         if self.prefill_pipeline == "official" and st.layer_idx == self.spec.n_layers - 1:
             self.join_prefill_job()  # the official prefill returns with every index built
 

@@ -123,7 +123,7 @@ def _score_page(h, qv, pg, s0, s1, rank, pages, best, touched, n_touched, cand_s
     (score, node index, page); with ``rank`` (rule ``"scored"``) they also update the page's best score.
     Returns ``(n_touched, nc)``."""
     d = qv.shape[0]
-    top = best[pg]
+    top = -np.inf
     for s in range(s0, s1):
         acc = np.float32(0.0)
         for j in range(d):
@@ -134,10 +134,7 @@ def _score_page(h, qv, pg, s0, s1, rank, pages, best, touched, n_touched, cand_s
         cand_p[nc] = pg
         nc += 1
     if rank:
-        if best[pg] == -np.inf:
-            touched[n_touched] = pg
-            n_touched += 1
-        best[pg] = top
+        n_touched = _rank(pg, top, best, touched, n_touched)
     return n_touched, nc
 
 

@@ -41,14 +41,23 @@ def evict_one_per_head(st: PerHeadState, victim: torch.Tensor) -> None:
     (so the next append writes in place). Slot order is then not position order; attention does not depend
     on it (keys carry their RoPE positions)."""
     last = st.k.shape[1] - 1
-    moves = [(st.k, 1), (st.v, 1), (st.pos, 1)] + ([(st.score, 2)] if st.score is not None else [])
-    for x, dim in moves:
+    for x, dim in _token_axes(st):
         shape = [x.shape[0]] + [1] * (x.dim() - 1)
         index = victim.view(shape).expand(*x.shape[:dim], 1, *x.shape[dim + 1:])
         x.scatter_(dim, index, x.narrow(dim, last, 1).clone())
-    st.k, st.v, st.pos = st.k[:, :last], st.v[:, :last], st.pos[:, :last]
+    _keep_first(st, last)
+
+
+def _token_axes(st: PerHeadState) -> list[tuple[torch.Tensor, int]]:
+    """The resident per-token arrays and their token axis: K, V, positions and (H2O) scores."""
+    return [(st.k, 1), (st.v, 1), (st.pos, 1)] + ([(st.score, 2)] if st.score is not None else [])
+
+
+def _keep_first(st: PerHeadState, n: int) -> None:
+    """Shrinks the resident views to their first ``n`` entries (still prefixes of their buffers)."""
+    st.k, st.v, st.pos = st.k[:, :n], st.v[:, :n], st.pos[:, :n]
     if st.score is not None:
-        st.score = st.score[..., :last]
+        st.score = st.score[..., :n]
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -68,14 +77,11 @@ def remove_slot(st: PerHeadState, slot: int) -> None:
     move up by one (a copy of the tail only) and the resident views shrink by one, staying prefixes of their
     buffers (so the next append writes in place) -- what ``keep_per_head`` with every slot but ``slot`` keeps,
     without gathering the whole cache."""
-    m = st.k.shape[1]
-    moves = [(st.k, 1), (st.v, 1), (st.pos, 1)] + ([(st.score, 2)] if st.score is not None else [])
-    for x, dim in moves:
-        if slot < m - 1:
-            x.narrow(dim, slot, m - 1 - slot).copy_(x.narrow(dim, slot + 1, m - 1 - slot).clone())
-    st.k, st.v, st.pos = st.k[:, : m - 1], st.v[:, : m - 1], st.pos[:, : m - 1]
-    if st.score is not None:
-        st.score = st.score[..., : m - 1]
+    tail = st.k.shape[1] - 1 - slot
+    for x, dim in _token_axes(st):
+        if tail:
+            x.narrow(dim, slot, tail).copy_(x.narrow(dim, slot + 1, tail).clone())
+    _keep_first(st, st.k.shape[1] - 1)
 
 
 def aggregate_group(scores: torch.Tensor, n_kv_heads: int, how: str) -> torch.Tensor:
