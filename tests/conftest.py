@@ -35,3 +35,14 @@ def smollm2():
         return load_model("smollm2-135m", dtype="float32"), load_tokenizer("smollm2-135m")
     except ModelUnavailableError as err:
         pytest.skip(f"embedded model unavailable: {err}")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder():
+    """The optional Qwen2.5-Coder-0.5B-Instruct (fp32 on CPU; `make model-qwen2.5-coder`) and its tokenizer."""
+    from icecache.models import ModelUnavailableError, load_model, load_tokenizer
+
+    try:
+        return load_model("qwen2.5-coder-0.5b", dtype="float32"), load_tokenizer("qwen2.5-coder-0.5b")
+    except ModelUnavailableError as err:
+        pytest.skip(f"optional model not installed: {err}")
