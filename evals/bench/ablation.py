@@ -136,16 +136,27 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
     return cells
 
 
+def model_max_length(name: str) -> int:
+    """A registered model's context length, from ``conf/model/<name>.yaml`` (the one place it is written)."""
+    import yaml
+
+    path = REPO_ROOT / "conf" / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"--model {name}: no {path.relative_to(REPO_ROOT)}; use a registered model")
+    return int(yaml.safe_load(path.read_text())["max_length"])
+
+
 def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
     """``(suite label, suite, sample)`` triples for passkey (every seed) and the RULER tasks."""
     out = []
+    max_length = model_max_length(args.model)
     for seed in args.seeds:
         if "passkey" in args.suites:
-            suite = Passkey(tokenizer, lengths=args.lengths, depths=args.depths, seed=seed, max_length=8192)
+            suite = Passkey(tokenizer, lengths=args.lengths, depths=args.depths, seed=seed, max_length=max_length)
             out += [(f"passkey/s{seed}", suite, s) for s in suite.samples()]
         if "ruler" in args.suites:
             suite = Ruler(tokenizer, data_dir=repo_path(args.data_dir), lengths=[args.ruler_length],
-                          num_samples=args.ruler_samples, tasks=list(args.ruler_tasks), seed=seed, max_length=8192)
+                          num_samples=args.ruler_samples, tasks=list(args.ruler_tasks), seed=seed, max_length=max_length)
             out += [(f"ruler/s{seed}", suite, s) for s in suite.samples()]
     return out
 
