@@ -81,7 +81,7 @@ class KVPress(KVMethod):
             tokens are kept on top of it, as in kvpress (a declared exemption).
         press: the press class name, one of :data:`SUPPORTED_PRESSES` (kvpress' defaults otherwise, e.g.
             SnapKVPress window_size 64, kernel_size 5).
-        press_kwargs: keyword arguments of the press (``cache.press_kwargs={window_size:32}``); not
+        press_kwargs: keyword arguments of the press (``+cache.press_kwargs.window_size=32``); not
             ``compression_ratio``, which the budget sets.
     """
 
