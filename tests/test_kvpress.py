@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny, generate_with
+from helpers import TINY_SHAPES, build_tiny, generate_with
 
+from baselines.kvpress_adapter import TESTED_PRESSES
 from evals.registry import make_cache, make_method
 
 kvpress = pytest.importorskip("kvpress", reason="kvpress is an optional extra (docs/kvpress.md)")
@@ -103,3 +104,16 @@ def test_a_new_cache_per_prompt_captures_its_own_prefill():
     assert all(torch.equal(a, b) for a, b in zip(sets[0], sets[2]))
     assert not all(torch.equal(a, b) for a, b in zip(sets[0], sets[1]))
     assert all(len(layer.self_attn._forward_pre_hooks) == 1 for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("shape", TINY_SHAPES, ids=lambda s: f"{s[0]}-kv{s[1]}-q{s[2]}")
+def test_tested_presses_run_on_every_head_layout(shape):
+    """MQA, GQA, MHA and Qwen3's q/k-norm (kvpress' get_prerope_query_states applies q_norm): each tested
+    press keeps ``budget`` prompt tokens per KV head and runs under the debug accounting."""
+    name, n_kv, n_q = shape
+    model = build_tiny(name, n_kv, n_q)
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    for press in TESTED_PRESSES:
+        options = dict(press_kwargs=dict(window_size=8)) if press == "SnapKVPress" else {}
+        _, cache = generate_with(model, ids, 3, "kvpress", budget=16, debug=True, press=press, **options)
+        assert all(int((st.pos < 48).sum(-1).max()) == 16 for st in cache.states), press
