@@ -67,6 +67,16 @@ METHOD_CASES = [
                requires="kvpress"),
 ]
 
+def skip_without_requirement(method: str) -> None:
+    """Skips the calling test when ``method`` needs an optional package that is not installed (its
+    ``MethodCase.requires``: kvpress)."""
+    import pytest
+
+    requires = next((c.requires for c in METHOD_CASES if c.name == method), None)
+    if requires:
+        pytest.importorskip(requires, reason=f"{method} needs the optional package {requires}")
+
+
 # what a method needs to accept the budget of 64 that the table-wide tests (test_integrity, test_reliability)
 # give every method: ArkVale's minimum is 8 pages (2 sink + 2 window + page_budgets // 2 - 3 scored), 256
 # tokens at its official 32-token pages
