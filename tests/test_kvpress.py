@@ -52,6 +52,24 @@ def test_kept_sets_equal_kvpress_own(smollm2_fp32):
         assert not wrong, f"{press}: kept sets differ from kvpress' on (layer, head) {wrong[:8]}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("press,method,options", [
+    ("SnapKVPress", "snapkv", dict(window_size=64, kernel_size=5, pooling="avg", selection="per_kv_head",
+                                   group_agg="mean", decode_policy="grow")),
+    ("StreamingLLMPress", "streaming_llm", {})])
+def test_our_ports_with_kvpress_settings_keep_kvpress_sets(smollm2_fp32, press, method, options):
+    """Our snapkv with kvpress' SnapKVPress settings, and our streaming_llm, keep kvpress' own sets."""
+    ref = json.loads(FIXTURE.read_text())
+    ids = torch.tensor([ref["input_ids"]])
+    cache = make_cache(method, smollm2_fp32, budget=ref["kept"], **options)
+    with torch.no_grad():
+        smollm2_fp32(ids, past_key_values=cache)
+    n_kv = len(ref["sets"][press][0])
+    for st in cache.states:  # streaming_llm keeps one set for every head
+        st.pos = st.pos.expand(n_kv, -1) if st.pos.dim() == 1 else st.pos
+    assert kept_bitmasks(cache, ids.shape[1]) == ref["sets"][press]
+
+
 def test_importing_kvpress_wraps_our_attention_harmlessly():
     """kvpress' attention_patch passes ``dropout`` positionally to every registered attention function; ours
     takes it in transformers' order, so a wrapped ``kv_attention`` still works (same tokens as unwrapped)."""
