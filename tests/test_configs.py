@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import skip_without_requirement
 
 from evals import configs
 from evals.config_check import ConfigError, check_config
@@ -17,6 +18,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_cache_config_is_the_dataclass(name):
+    skip_without_requirement(name)
     cache = configs.compose_config([f"cache={name}"])["cache"]
     assert cache == configs.method_defaults(name)
     options = {k: v for k, v in cache.items() if k != "name"}

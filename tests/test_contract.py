@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHOD_CASES, assert_matches_full, build_tiny, generate_with
+from helpers import METHOD_CASES, assert_matches_full, build_tiny, generate_with, skip_without_requirement
 
 from evals.registry import METHODS, make_method
 
@@ -20,6 +20,7 @@ def test_every_registered_method_has_a_case():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_covering_budget_equals_full_attention(name):
     case = CASES[name]
+    skip_without_requirement(name)
     assert_matches_full(build_tiny("tiny-llama", 2, 4), name, prompt_len=case.prompt_len,
                         new_tokens=case.new_tokens, debug=True, **case.covering)
 
@@ -27,6 +28,7 @@ def test_covering_budget_equals_full_attention(name):
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.small))
 def test_small_budget_holds_under_debug(name):
     case = CASES[name]
+    skip_without_requirement(name)
     model = build_tiny("tiny-llama", 2, 4)
     ids = torch.randint(0, model.config.vocab_size, (1, case.prompt_len), generator=torch.Generator().manual_seed(0))
     out, cache = generate_with(model, ids, case.new_tokens, name, debug=True, **case.small)  # asserts every step
@@ -38,6 +40,7 @@ def test_small_budget_holds_under_debug(name):
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.invalid))
 def test_validate_rejects_a_bad_hyperparameter(name):
     case = CASES[name]
+    skip_without_requirement(name)
     budget = case.small.get("budget", 64)
     make_method(name, budget=budget, **{k: v for k, v in case.small.items() if k != "budget"})  # valid
     with pytest.raises(ValueError, match=next(iter(case.invalid))):

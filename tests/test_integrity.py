@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUDGET_64_HP, DATA_DIR, build_tiny
+from helpers import BUDGET_64_HP, DATA_DIR, build_tiny, skip_without_requirement
 
 from evals import harness, plots, results
 from evals.base import DataError
@@ -230,6 +230,7 @@ def test_cli_type_errors_exit_2_with_one_line(tmp_path, args, message):
 # ---------------------------------------------------------------- 4. a cache serves one prompt
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_cache_refuses_a_second_prompt_and_reset_serves_a_new_one(method, one_thread):
+    skip_without_requirement(method)
     model = build_tiny(n_layers=4)
     gen = torch.Generator().manual_seed(0)
     long, short = torch.randint(0, 200, (1, 160), generator=gen), torch.randint(0, 200, (1, 100), generator=gen)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUDGET_64_HP, build_tiny
+from helpers import BUDGET_64_HP, build_tiny, skip_without_requirement
 
 from evals.registry import METHODS, make_cache
 from icecache.models import ModelUnavailableError, load_model
@@ -58,6 +58,7 @@ def test_sigkill_mid_run_then_resume_loses_nothing(tmp_path):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_resident_set_never_exceeds_the_budget(method):
+    skip_without_requirement(method)
     model = build_tiny(n_kv_heads=2, n_heads=4, n_layers=8)
     ids = torch.randint(0, 200, (1, 160), generator=torch.Generator().manual_seed(0))
     budget = None if method == "full" else SMALL_BUDGET
@@ -75,6 +76,7 @@ def test_resident_set_never_exceeds_the_budget(method):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_same_seed_gives_identical_outputs(method):
+    skip_without_requirement(method)
     model = build_tiny(n_kv_heads=2, n_heads=4, n_layers=8)
     ids = torch.randint(0, 200, (1, 160), generator=torch.Generator().manual_seed(0))
     budget = None if method == "full" else SMALL_BUDGET

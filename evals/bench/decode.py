@@ -53,7 +53,8 @@ from icecache.models import load_model, load_tokenizer
 
 TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the median per-token interval
 
-DEFAULT_METHODS = tuple(METHODS)  # full, streaming_llm, h2o, snapkv, quest, topk, pqcache, omnikv, magicpig, ...
+OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
 
 

@@ -75,6 +75,7 @@ class KVCache(compat.Cache):
         also switches the model's attention to the cache-aware function (idempotent). One cache serves one
         sequence (batch size 1): make a new one per prompt."""
         compat.enable_attention(model)
+        method.attach(model)
         return cls(method, ModelSpec.from_model(model), profile=profile)
 
     def _bind_fresh(self) -> None:
@@ -179,8 +180,12 @@ class KVCache(compat.Cache):
         self.method.close()
 
 
-def kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function registered with transformers (see :mod:`icecache.kv.compat`)."""
+def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention function registered with transformers (see :mod:`icecache.kv.compat`). Its parameters follow
+    transformers' own (``integrations/sdpa_attention.py`` ``sdpa_attention_forward``: ``dropout`` before
+    ``scaling``), so a wrapper that passes ``dropout`` positionally (``kvpress/attention_patch.py``, applied to
+    every registered function when kvpress is imported) calls it correctly. Both are unused: the method
+    attends with the model's scaling, without dropout."""
     cache = _ACTIVE_CACHE.get()
     _ACTIVE_CACHE.set(None)  # consumed: a later forward with another cache type must not see this one
     if cache is None:

@@ -182,6 +182,11 @@ class KVMethod:
         if getattr(self, key) not in valid:
             raise ValueError(f"{self.name}: {key} must be one of {valid}, got {getattr(self, key)!r}")
 
+    def attach(self, model: torch.nn.Module) -> None:
+        """Called once per cache by :meth:`KVCache.for_model` with the model, before :meth:`bind`: a method that
+        needs more than the attention inputs registers its hooks here (the kvpress adapter captures each
+        layer's input hidden states). Default: nothing."""
+
     def bind(self, spec: ModelSpec) -> None:
         self.spec = spec
 
