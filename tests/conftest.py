@@ -26,23 +26,23 @@ def byte_tokenizer():
     return build_byte_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2-135M-Instruct (fp32 on CPU) and its tokenizer, loaded once per test session."""
+def _real_model(name: str, missing: str):
+    """A real model (fp32 on CPU) and its tokenizer, or the test skipped with ``missing`` and the reason."""
     from icecache.models import ModelUnavailableError, load_model, load_tokenizer
 
     try:
-        return load_model("smollm2-135m", dtype="float32"), load_tokenizer("smollm2-135m")
+        return load_model(name, dtype="float32"), load_tokenizer(name)
     except ModelUnavailableError as err:
-        pytest.skip(f"embedded model unavailable: {err}")
+        pytest.skip(f"{missing}: {err}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (fp32 on CPU) and its tokenizer, loaded once per test session."""
+    return _real_model("smollm2-135m", "embedded model unavailable")
 
 
 @pytest.fixture(scope="session")
 def qwen_coder():
     """The optional Qwen2.5-Coder-0.5B-Instruct (fp32 on CPU; `make model-qwen2.5-coder`) and its tokenizer."""
-    from icecache.models import ModelUnavailableError, load_model, load_tokenizer
-
-    try:
-        return load_model("qwen2.5-coder-0.5b", dtype="float32"), load_tokenizer("qwen2.5-coder-0.5b")
-    except ModelUnavailableError as err:
-        pytest.skip(f"optional model not installed: {err}")
+    return _real_model("qwen2.5-coder-0.5b", "optional model not installed")
