@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import generate_reference
+from helpers import generate_reference, skip_without_requirement
 
 from evals.registry import METHODS, make_cache, make_method
 from icecache.models import tiny_config
@@ -125,8 +125,7 @@ def test_covering_budget_equals_full_attention_in_bf16(method, model_name):
     step, and free-running greedy generation through the method's cache gives the reference's tokens at
     every decided step (:func:`decided_steps`; the prompt is the one of 16 seeds with the most of them)."""
     budget, hp, prompt_len = COVERING[method]
-    if method == "kvpress":
-        pytest.importorskip("kvpress", reason="kvpress is an optional extra (docs/kvpress.md)")
+    skip_without_requirement(method)
     model = build(model_name)
     ids, ref, atol, decided = reference_with_most_decided_steps(model, prompt_len)
     assert decided >= 1, "no prompt seed gives a decided greedy step: the token check would be vacuous"

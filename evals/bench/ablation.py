@@ -137,13 +137,11 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
 
 
 def model_max_length(name: str) -> int:
-    """A registered model's context length, from ``conf/model/<name>.yaml`` (the one place it is written)."""
-    import yaml
+    """A registered model's context length: its ``model.max_length`` as ``run.py model=<name>`` composes it
+    (``conf/model/<name>.yaml``, the one place it is written)."""
+    from evals.configs import compose_config
 
-    path = REPO_ROOT / "conf" / "model" / f"{name}.yaml"
-    if not path.exists():
-        raise SystemExit(f"--model {name}: no {path.relative_to(REPO_ROOT)}; use a registered model")
-    return int(yaml.safe_load(path.read_text())["max_length"])
+    return int(compose_config([f"model={name}"])["model"]["max_length"])
 
 
 def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
