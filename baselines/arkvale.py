@@ -261,6 +261,13 @@ class ArkVale(KVMethod):
             self.recall(st, selection, st.page_scores)
         return Fetched(st.k, st.v)
 
+    def attended_positions(self, st: LayerState, selection: np.ndarray | None) -> torch.Tensor:
+        """``[m]``: the positions of the used slots' rows (every KV head holds the same pages), in slot order."""
+        if not isinstance(st, ArkValeState):
+            return st.pos
+        rows = np.arange(st.k.shape[1])
+        return torch.from_numpy(st.slot_page[rows // self.page_size] * self.page_size + rows % self.page_size)
+
     def recall(self, st: ArkValeState, selected: np.ndarray, scores: torch.Tensor) -> None:
         """Recalls the selected pages that are not resident, each into the slot of the lowest-scored
         resident page between the sinks and the window (the selected ones excepted)."""

@@ -313,6 +313,15 @@ class MagicPIG(KVMethod):
         return SampledFetched(st.k, st.v, sk=st.store_k[kv, idx], sv=st.store_v[kv, idx],
                               svalid=selection.gather(1, idx), snorm=st.knorm[kv, idx])
 
+    def attended_positions(self, st: PigState, selection: torch.Tensor | None) -> torch.Tensor:
+        """``[H_q, m]``: the exact part (resident) then every sampled candidate of each query head (the store
+        holds prompt positions ``n_sink .. n_sink + n_mid - 1``), -1 where a head sampled fewer."""
+        if selection is None:
+            return st.pos
+        store = torch.arange(self.n_sink, self.n_sink + selection.shape[1])
+        sampled = torch.where(selection.cpu(), store, -1)  # [H_q, n_mid]
+        return torch.cat([st.pos.cpu().expand(sampled.shape[0], -1), sampled], dim=1)
+
     def attend(self, st: PigState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
         out, lse = partial_attention(q, fetched.k, fetched.v, self.spec.scaling)
         if isinstance(fetched, SampledFetched):

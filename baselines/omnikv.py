@@ -159,6 +159,12 @@ class OmniKV(KVMethod):
         st.bytes_moved += 2 * st.part_k.numel() * st.part_k.element_size()
         return Fetched(torch.cat([st.part_k, st.k], dim=1), torch.cat([st.part_v, st.v], dim=1))
 
+    def attended_positions(self, st: OmniState, selection: torch.Tensor | None) -> torch.Tensor:
+        """``[m]`` (one set for every head): the selected prompt positions, then the generated tail."""
+        if selection is None:
+            return st.pos
+        return torch.cat([selection.to(st.pos.device), st.pos])
+
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: OmniState) -> int:
         part = 0 if st.part_k is None or not self.is_budgeted(st.layer_idx) else st.part_k.shape[1]

@@ -218,6 +218,10 @@ class PQCache(KVMethod):
         st.bytes_moved += k.numel() * k.element_size() + v.numel() * v.element_size()
         return Fetched(torch.cat([k, st.k], dim=1), torch.cat([v, st.v], dim=1))
 
+    def attended_positions(self, st: PQState, selection: torch.Tensor) -> torch.Tensor:
+        """The retrieved positions (absolute: the host store holds every token) then the resident ones."""
+        return torch.cat([selection, st.pos.to(selection.device).expand(selection.shape[0], -1)], dim=1)
+
     def append(self, st: PQState, k: torch.Tensor, v: torch.Tensor) -> None:
         super().append(st, k, v)
         st.store.append(k, v)  # one row into the preallocated store (official pq_search.py)

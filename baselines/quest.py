@@ -116,13 +116,22 @@ class Quest(KVMethod):
             st.max_attended = st.k.shape[1] - 1
             return Fetched(st.k, st.v)
         n = st.k.shape[1]
-        tokens = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device))
-        tokens = tokens.flatten(1)  # [H_q, top * page_size]
-        valid = tokens < n
-        tokens = tokens.clamp(max=n - 1)
+        tokens, valid = self.page_tokens(pages, n)
         kv_head = (torch.arange(pages.shape[0], device=pages.device) // self.spec.group)[:, None]
         st.max_attended = self.attended_past(n, pages.shape[1])
         return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid, n_past=float(st.max_attended))
+
+    def page_tokens(self, pages: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token indices ``[H_q, top * page_size]`` of the selected pages (clamped to the ``n`` resident ones)
+        and which of them exist (the newest page may be partial)."""
+        tokens = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten(1)
+        return tokens.clamp(max=n - 1), tokens < n
+
+    def attended_positions(self, st: QuestState, pages: torch.Tensor | None) -> torch.Tensor:
+        if pages is None:
+            return st.pos
+        tokens, valid = self.page_tokens(pages, st.k.shape[1])
+        return torch.where(valid, st.pos[tokens], -1)
 
     def attended_past(self, n: int, top: int) -> int:
         """Past tokens each head attends to, from shapes (no host sync): ``top`` pages of ``n`` tokens, all

@@ -71,6 +71,10 @@ class TopKOracle(KVMethod):
         kv_head = (torch.arange(tokens.shape[0], device=tokens.device) // group)[:, None]
         return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens])
 
+    def attended_positions(self, st: AttendedSetState, tokens: torch.Tensor) -> torch.Tensor:
+        """``[H, m]`` positions of the fetched tokens (every key stays resident, in position order)."""
+        return st.pos[tokens]
+
     def check_resident(self, st: AttendedSetState) -> None:
         """Every key stays resident (an oracle); debug mode checks the attended set instead."""
         check_attended(self, st)

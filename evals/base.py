@@ -12,6 +12,8 @@ numbers come from :meth:`Suite.aggregate` over those rows, so a resumed run need
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -85,6 +87,30 @@ class Suite:
     def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
         """Per-sample metric values on a 0-1 (or 0-100, as the suite documents) scale."""
         raise NotImplementedError
+
+    def needle_texts(self, sample: Sample) -> list[str]:
+        """The needle strings of a needle-in-a-haystack sample (the pass key, RULER's niah values), whose
+        prompt tokens the ``diagnostics=recall`` probe follows; ``[]`` (the default) for other samples."""
+        return []
+
+    def needle_positions(self, sample: Sample) -> list[int]:
+        """Prompt positions of the tokens that spell each occurrence of :meth:`needle_texts` in
+        ``sample.prompt_ids`` (found on the decoded text, so it does not depend on how the tokenizer splits
+        the needle); ``[]`` when the sample has no needle."""
+        texts = [t for t in self.needle_texts(sample) if t]
+        if not texts:
+            return []
+        pieces = [self.tokenizer.decode([i]) for i in sample.prompt_ids]
+        ends = list(itertools.accumulate(len(p) for p in pieces))  # end offset of each token's text
+        text = "".join(pieces)
+        positions = set()
+        for needle in texts:
+            found = text.find(needle)
+            while found >= 0:  # the tokens whose text overlaps [found, found + len(needle))
+                first, last = bisect.bisect_right(ends, found), bisect.bisect_left(ends, found + len(needle))
+                positions.update(range(first, last + 1))
+                found = text.find(needle, found + 1)
+        return sorted(positions)
 
     def aggregate(self, rows: list[dict]) -> dict:
         """Headline metrics from prediction rows: ``{"score": 0-100, "tasks": {task: 0-100}, ...}``.

@@ -92,6 +92,17 @@ def _model(model: dict) -> dict:
     return model
 
 
+def _diagnostics(diag) -> dict:
+    """``diagnostics=recall`` (conf/diagnostics/recall.yaml): its name and ``every`` (decode steps)."""
+    if not isinstance(diag, dict) or diag.get("name") != "recall":
+        raise ConfigError(f"diagnostics must be recall (diagnostics=recall) or absent, got {diag!r}")
+    unknown = sorted(set(diag) - {"name", "every"})
+    if unknown:
+        raise ConfigError(f"diagnostics has no option(s) {unknown} (it takes diagnostics.every)")
+    _count("diagnostics.every", diag.get("every", 1), allow_none=False)
+    return diag
+
+
 def _typed_like(key: str, value, default):
     """``value`` checked against the type of its scalar default (a None default accepts anything; a list or
     mapping is left to the suite or method, e.g. ``eval.depths`` takes a count or a list of depths)."""
@@ -129,6 +140,8 @@ def check_config(cfg: dict) -> dict:
     for key in ("results_dir", "data_dir"):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
             raise ConfigError(f"{key} must be a path, got {cfg[key]!r}")
+    if cfg.get("diagnostics") is not None:
+        cfg["diagnostics"] = _diagnostics(cfg["diagnostics"])
     cfg["model"] = _model(dict(cfg["model"]))
     cfg["cache"] = _group("cache", dict(cfg["cache"]))
     cfg["eval"] = _group("eval", dict(cfg["eval"]))

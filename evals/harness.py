@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from icecache.kv import BudgetError, KVMethod, UnknownNameError
+from icecache.kv.recall import RecallProbe, pool_recall
 from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry
 
 from . import results, wandb_log
@@ -148,6 +149,15 @@ def _up_to_date(run_dir: Path, rows: list[dict]) -> bool:
     return metrics.get("n_samples") == len(rows)
 
 
+def _recall_up_to_date(run_dir: Path, rows: list[dict]) -> bool:
+    """recall.json exists and pools every row now in the directory (runs with ``diagnostics=recall``)."""
+    try:
+        pooled = json.loads((run_dir / "recall.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (pooled or {}).get("n_samples", 0) == sum(1 for r in rows if r.get("recall"))
+
+
 def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
     """Generates the samples not yet in ``run``, then (re)computes metrics and timing from all its rows."""
     cfg = p.cfg
@@ -155,10 +165,14 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
     # Optional W&B logging (a no-op unless wandb.enabled=true): samples log as they finish, then the run's
     # summary and tables; a rerun of a finished directory logs its existing results.
     with wandb_log.session(cfg, p.run_dir) as wb:
-        if todo or not _up_to_date(p.run_dir, run.rows):
+        stale = not _up_to_date(p.run_dir, run.rows) or (cfg.get("diagnostics") and
+                                                          not _recall_up_to_date(p.run_dir, run.rows))
+        if todo or stale:
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
             results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
             results.write_json(p.run_dir / "timing.json", pool_timing(run.rows, cfg))
+            if cfg.get("diagnostics"):
+                results.write_json(p.run_dir / "recall.json", pool_recall(run.rows))
         if len(run.rows) > len(samples):
             print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
                   f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
@@ -191,17 +205,28 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
     segment = f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"  # this process's part of the run
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
+        probe = _probe(cfg, suite, sample)
         gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
-                       sampling=sample.sampling, eos_token_ids=sample.eos_token_ids)
+                       sampling=sample.sampling, eos_token_ids=sample.eos_token_ids, probe=probe)
         timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
+        if probe is not None:
+            row["recall"] = gen.recall
         run.append(row)
         if on_row is not None:
             on_row(row)
+
+
+def _probe(cfg: dict, suite, sample) -> RecallProbe | None:
+    """The ``diagnostics=recall`` probe of one sample (following its needle tokens), or None."""
+    diagnostics = cfg.get("diagnostics")
+    if not diagnostics:
+        return None
+    return RecallProbe(every=diagnostics.get("every", 1), needle=suite.needle_positions(sample))
 
 
 def _judge(model, tokenizer, judge_model: str | None, cfg: dict):

@@ -181,6 +181,9 @@ class Passkey(Suite):
     def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:
         return {"score": float(passkey_correct(prediction, sample.reference))}
 
+    def needle_texts(self, sample: Sample) -> list[str]:
+        return [sample.reference]  # the pass key, written twice in the needle sentence
+
 
 def passkey_correct(prediction: str, pass_key) -> bool:
     """Quest's check: the first ``\\d+`` of the output, as an integer, equals the pass key."""

@@ -9,6 +9,8 @@ latency runs' ``metrics.json`` and the passkey heat maps the passkey runs' ``pre
 * ``tpot_breakdown_<eval>_<model>.png``     TPOT split into select/transfer/attention/update/other
 * ``decode_latency_vs_length_<model>.png``  TPOT vs context length (latency suite)
 * ``passkey_heatmap_<model>.png``           passkey accuracy over length x depth, one panel per run
+* ``recall_vs_layer_<eval>_<model>.png``     attention-mass recall per layer (runs with ``diagnostics=recall``)
+* ``recall_vs_accuracy_<eval>_<model>.png``  score vs pooled attention-mass recall across a sweep
 
 Each method keeps one colour everywhere (:data:`METHOD_COLORS`). Runs that differ in any other setting
 (the summary's ``variant``, e.g. ``question_via_decode=true``) are drawn as separate lines, points, bars
@@ -28,12 +30,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .results import load_predictions  # noqa: E402
-from .schema import read_results  # noqa: E402
+from .schema import read_recall, read_results  # noqa: E402
 from .summary import write_summary  # noqa: E402
 
 METHOD_COLORS = {"full": "#333333", "streaming_llm": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#8c564b",
                  "pqcache": "#2ca02c", "omnikv": "#9467bd", "magicpig": "#e377c2", "quest": "#7f7f7f",
-                 "topk": "#bcbd22", "icecache": "#d62728", "icecache_reuse": "#17becf"}
+                 "topk": "#bcbd22", "icecache": "#d62728", "icecache_reuse": "#17becf", "arkvale": "#aec7e8",
+                 "kvpress": "#98df8a"}
 PHASE_COLORS = {"select": "#4c72b0", "transfer": "#dd8452", "attention": "#55a868", "update": "#c44e52",
                 "other": "#8c8c8c"}
 NOT_ACCURACY = ("latency",)  # suites whose score is not a quality metric
@@ -181,6 +184,44 @@ def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     return _save(fig, out)
 
 
+def recall_vs_layer(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """Mean attention-mass recall per budgeted layer (``recall.json``), one line per run with
+    ``diagnostics=recall``, in its method's colour (a marker per budget)."""
+    frame = _sorted_runs(frame)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    markers = "osD^v<>px*"
+    budgets = sorted({b for b in frame["budget"] if pd.notna(b)})
+    for label, (_, row) in zip(unique_labels(frame), frame.iterrows()):
+        recall = read_recall(row["run_dir"])
+        if not recall or "recall" not in recall.get("per_layer", {}):
+            continue
+        marker = markers[budgets.index(row["budget"]) % len(markers)] if row["budget"] in budgets else "o"
+        ax.plot(recall["layers"], recall["per_layer"]["recall"]["mean"], marker=marker, ms=4,
+                color=method_color(row["cache"]), label=label)
+    ax.set_ylim(0, 1.02)
+    return _finish_line_plot(fig, ax, out, "layer", "attention-mass recall (mean over steps and heads)",
+                             title or "Attention-mass recall per layer")
+
+
+def recall_vs_accuracy(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    """Score vs pooled attention-mass recall, one point per run with ``diagnostics=recall`` (a sweep over
+    methods and budgets), annotated with the budget."""
+    frame = _sorted_runs(frame[frame["recall_mean"].notna()])
+    styles = _variant_styles(frame)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
+        ax.scatter(runs["recall_mean"], runs["score"], color=method_color(cache), marker=styles[variant][0],
+                   label=_line_label(cache, variant), s=40)
+        for _, row in runs.iterrows():
+            if cache != "full":
+                ax.annotate(f"b{_budget_text(row['budget'])}", (row["recall_mean"], row["score"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlim(0, 1.02)
+    ax.set_ylim(-3, 103)
+    return _finish_line_plot(fig, ax, out, "attention-mass recall (pooled mean)", "score (0-100)",
+                             title or "Score vs attention-mass recall")
+
+
 def latency_by_length(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (latency run, context length) from the runs' ``metrics.json`` ``lengths`` entries:
     cache, budget, model, length, tt2t_s, ttft_s, tpot_s and breakdown/<phase>."""
@@ -262,6 +303,12 @@ def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
         paths.append(latency_scatter(runs, out / f"latency_scatter_{tag}.png",
                                      f"{ev}: TT2T vs TPOT, labels budget: score ({model})"))
         paths.append(tpot_breakdown(runs, out / f"tpot_breakdown_{tag}.png", f"{ev}: TPOT breakdown ({model})"))
+        if "recall_mean" in runs and runs["recall_mean"].notna().any():
+            paths.append(recall_vs_layer(runs[runs["recall_mean"].notna()], out / f"recall_vs_layer_{tag}.png",
+                                         f"{ev}: attention-mass recall per layer ({model})"))
+            if ev not in NOT_ACCURACY:
+                paths.append(recall_vs_accuracy(runs, out / f"recall_vs_accuracy_{tag}.png",
+                                                f"{ev}: score vs attention-mass recall ({model})"))
         if ev == "latency":
             paths.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
                                                   f"Decode latency vs context length ({model})"))

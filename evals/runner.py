@@ -41,6 +41,7 @@ class Generation:
     transfer_bytes: int = 0  # bytes moved from offload stores over tokens 3..N
     peak_memory_bytes: int | None = None  # CUDA: max allocated during this generation (weights included)
     method_stats: dict[str, list[float | None]] = field(default_factory=dict)  # KVCache.method_stats
+    recall: dict | None = None  # diagnostics=recall: RecallProbe.summary() (None without the probe)
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
@@ -63,7 +64,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
              decode_ids: list[int] = (), stop: list[str] = (), ignore_eos: bool = False,
              stop_token_ids: list[int] = (), min_new_tokens: int = 0, profile: bool = False,
              sampling: dict | None = None, eos_token_ids: list[int] | None = None,
-             prefilled=None) -> Generation:
+             prefilled=None, probe=None) -> Generation:
     """Greedy generation of one sample with a fresh cache of ``method`` (or nucleus sampling when
     ``sampling`` = ``{"temperature", "top_p", "seed"}`` is given: :func:`sample_token`). Generation ends at EOS
     or one of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
@@ -71,9 +72,10 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     given (``model.generate(eos_token_id=[...])`` replaces the generation config's list the same way).
     ``prefilled`` (an :class:`evals.bench.ablation.Prefilled` of ``prompt_ids``) replays a captured prefill
     instead of running it -- for ablations that decode one prompt under many configurations; its TTFT then
-    excludes the prefill."""
+    excludes the prefill. ``probe`` (a :class:`~icecache.kv.recall.RecallProbe`, ``diagnostics=recall``) measures
+    the attention-mass recall of every decode step; its time is the ``diagnostics`` entry of the breakdown."""
     device = next(model.parameters()).device
-    cache = KVCache.for_model(method, model, profile=profile)
+    cache = KVCache.for_model(method, model, profile=profile, probe=probe)
     kw = compat.cache_kwargs(cache)
     default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
     eos = set(stop_token_ids) | (set() if ignore_eos else default_eos)
@@ -103,7 +105,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             logits = model(torch.tensor([[tok]], device=device), use_cache=True, **kw).logits
             cache.end_step()
         token = pick(logits, 0)
-        stamps, out, breakdown = [_now(device)], [token], {p: 0.0 for p in (*PHASES, "other")}
+        phase_names = (*PHASES, "diagnostics") if probe is not None else PHASES
+        stamps, out, breakdown = [_now(device)], [token], {p: 0.0 for p in (*phase_names, "other")}
         max_resident, moved = cache.max_budgeted_resident(), 0
         while len(out) < max_new_tokens and token not in eos and not _hits_stop(tokenizer, out, stop):
             step_start, bytes_before = _now(device), cache.bytes_moved()
@@ -115,7 +118,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             stamps.append(_now(device))
             max_resident = max(max_resident, cache.max_budgeted_resident())
             if len(out) >= 3:  # TPOT and its breakdown cover tokens 3..N
-                for p in PHASES:
+                for p in phase_names:
                     breakdown[p] += phases.get(p, 0.0)
                 breakdown["other"] += (stamps[-1] - step_start) - sum(phases.values())
                 moved += cache.bytes_moved() - bytes_before
@@ -128,7 +131,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-            method_stats=cache.method_stats())
+            method_stats=cache.method_stats(), recall=None if probe is None else probe.summary())
     finally:
         cache.close()
 

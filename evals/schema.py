@@ -39,6 +39,22 @@ class Timing(TypedDict):
     environment: dict  # device, dtype, library versions, machine
 
 
+class Recall(TypedDict, total=False):
+    """``recall.json`` (runs with ``diagnostics=recall``): :func:`icecache.kv.recall.pool_recall` of the rows."""
+
+    n_samples: int
+    every: int  # decode steps between measurements
+    layers: list[int]  # the budgeted layers measured
+    recall_mean: float  # attention-mass recall, mean over every measured (sample, step, layer, query head)
+    error_mean: float  # relative L2 error of the attention output against exact attention
+    needle_share_mean: float  # needle tasks: share of the needle's attention on attended tokens
+    needle_top_mean: float  # needle tasks: how often the most-attended needle token was attended
+    per_layer: dict[str, dict[str, list]]  # metric -> mean / median / p10 / n_samples, per entry of ``layers``
+    samples: dict[str, dict[str, float]]  # sample id -> its pooled means and p10s
+
+
+RECALL_SCALARS = ("recall_mean", "error_mean", "needle_share_mean", "needle_top_mean")
+
 # the timing numbers every consumer shows next to the score
 TIMING_SCALARS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens")
 
@@ -55,6 +71,16 @@ def read_results(run_dir: Path) -> tuple[Metrics | None, Timing | None]:
     being written)."""
     run_dir = Path(run_dir)
     return _read_json(run_dir / "metrics.json"), _read_json(run_dir / "timing.json")
+
+
+def read_recall(run_dir: Path) -> Recall | None:
+    """A run directory's ``recall.json``, or None (no ``diagnostics=recall``, or still being written)."""
+    return _read_json(Path(run_dir) / "recall.json")
+
+
+def recall_columns(recall: Recall | None) -> dict:
+    """:data:`RECALL_SCALARS` of a run (empty without ``diagnostics=recall``)."""
+    return {} if not recall else {key: recall.get(key) for key in RECALL_SCALARS}
 
 
 def score_columns(metrics: Metrics) -> dict:

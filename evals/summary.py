@@ -2,7 +2,9 @@
 
 Writes ``summary.csv`` (and ``summary.parquet`` when pyarrow is installed) with one row per run:
 eval, model, cache, budget, ``variant``, headline score, per-task scores (``task/<name>``), TTFT/TT2T/TPOT,
-the TPOT breakdown (``breakdown/<phase>``), peak memory, and the run directory. Runs are keyed by their
+the TPOT breakdown (``breakdown/<phase>``), peak memory, the run directory and, for runs with
+``diagnostics=recall``, the pooled attention-mass recall (``recall_mean``, ``error_mean``, ``needle_share_mean``,
+``needle_top_mean``). Runs are keyed by their
 whole config: every setting that differs between runs of one (eval, model) -- or, for ``cache.*``
 options, of one (eval, model, cache) -- becomes a column of its own (``eval.question_via_decode``) and
 part of the run's ``variant`` text, so figures never merge two different experiments. Run directories
@@ -21,7 +23,7 @@ import pandas as pd
 import yaml
 
 from .results import NON_SEMANTIC, canonical
-from .schema import read_results, score_columns, timing_columns
+from .schema import read_recall, read_results, recall_columns, score_columns, timing_columns
 
 KEYS = ("eval", "model", "cache")  # with budget: the named axes of every figure
 
@@ -60,7 +62,7 @@ def run_row(run_dir: Path, cfg: dict) -> dict:
     if metrics is None or timing is None:
         return {**row, "status": "incomplete"}
     row.update({"status": "complete", **score_columns(metrics), "n_samples": metrics.get("n_samples")})
-    return {**row, **timing_columns(timing)}
+    return {**row, **timing_columns(timing), **recall_columns(read_recall(run_dir))}
 
 
 def _varying(configs: list[dict], prefix_filter) -> set[str]:

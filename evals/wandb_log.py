@@ -4,7 +4,8 @@ One W&B run per run directory, named so the comparison dashboard groups itself (
 project ``wandb.project``, group ``"<eval>/<model>"``, run name ``"<cache>-b<budget>"``, tags for the
 eval, model, cache and budget. Logged: the resolved config; the headline score and per-task scores;
 TTFT/TT2T/TPOT (mean, p50, p90) and the TPOT breakdown per phase; peak memory; the effective tokens
-attended per layer (table + line chart); and a table of per-sample predictions.
+attended per layer (table + line chart); a table of per-sample predictions; and, for runs with
+``diagnostics=recall``, the pooled attention-mass recall and its per-layer line chart (``recall.json``).
 
 Everything is read back from the run directory (``metrics.json``, ``timing.json``, ``predictions.jsonl``),
 so ``python -m evals.wandb_log <results_dir>`` can also upload runs made without W&B, e.g. on a cluster
@@ -24,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from .results import load_predictions
-from .schema import TIMING_SCALARS, read_results
+from .schema import RECALL_SCALARS, TIMING_SCALARS, read_recall, read_results, recall_columns
 
 # Config keys that describe where or how a run was executed, not what it computed.
 NOT_LOGGED = ("wandb", "hydra")
@@ -70,6 +71,21 @@ def scalars(metrics: dict, timing: dict) -> dict:
     return out
 
 
+def recall_logs(recall: dict | None) -> dict:
+    """``diagnostics=recall`` runs: the pooled recall numbers and a recall-per-layer line plot."""
+    if not recall or "recall" not in recall.get("per_layer", {}):
+        return {}
+    import wandb
+
+    per_layer = recall["per_layer"]["recall"]
+    table = wandb.Table(columns=["layer", "recall_mean", "recall_median", "recall_p10"],
+                        data=[list(r) for r in zip(recall["layers"], per_layer["mean"], per_layer["median"],
+                                                   per_layer["p10"])])
+    return {**recall_columns(recall),
+            "recall_per_layer": wandb.plot.line(table, "layer", "recall_mean",
+                                                title="Attention-mass recall per layer")}
+
+
 def prediction_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     """Columns and rows of the per-sample predictions table."""
     columns = ["id", "task", "reference", "prediction", "score", "scores", "meta", "tt2t_s", "n_output_tokens"]
@@ -87,6 +103,7 @@ def sample_scalars(row: dict, done: int) -> dict:
     timing = row.get("timing") or {}
     out = {f"sample/{k}": v for k, v in row["scores"].items() if isinstance(v, (int, float))}
     intervals = timing.get("intervals_s") or []
+    out.update({f"sample/{k}": v for k, v in (row.get("recall") or {}).items() if k in RECALL_SCALARS})
     out.update({"sample/tt2t_s": timing.get("tt2t_s"), "samples_done": done,
                 "sample/tpot_s": sum(intervals) / len(intervals) if intervals else None})
     return {k: v for k, v in out.items() if v is not None}
@@ -126,7 +143,7 @@ def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
     phases = wandb.Table(columns=["phase", "seconds_per_token"],
                          data=[[p, v] for p, v in timing.get("breakdown", {}).items()])
     columns, data = prediction_rows(load_predictions(run_dir / "predictions.jsonl"))
-    run.log({**scalars(metrics, timing),
+    run.log({**scalars(metrics, timing), **recall_logs(read_recall(run_dir)),
              "effective_tokens_per_layer": wandb.plot.line(layers, "layer", "effective_tokens",
                                                            title="Effective tokens attended per layer"),
              "tpot_breakdown": wandb.plot.bar(phases, "phase", "seconds_per_token",

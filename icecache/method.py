@@ -385,10 +385,10 @@ class IceCache(KVMethod):
         buf = st.buffer
         return Fetched(buf.k, buf.v, buf.valid, n_past=buf.n_past())
 
-    def attended_positions(self, st: IceState) -> torch.Tensor:
-        """Absolute positions ``[H_kv, R]`` of :meth:`resident_kv`'s entries, -1 where masked (to measure
-        attention recall, and for tests)."""
-        return st.buffer.attended_positions()
+    def attended_positions(self, st: IceState, selection=None) -> torch.Tensor:
+        """Absolute positions of what :meth:`fetch` returns: ``[H_kv, R]`` for :meth:`resident_kv`'s entries once
+        the layer is offloaded (-1 where masked), else the resident positions (attention recall, tests)."""
+        return st.buffer.attended_positions() if st.offloaded else st.pos
 
     def observe(self, st: IceState, q, fetched, selection) -> None:
         if not self.is_budgeted(st.layer_idx):

@@ -14,7 +14,11 @@ stopping rules and scores are the suites'. A test checks that a replayed generat
 
 Rows are appended to ``--out`` (JSON lines) as they finish; a rerun skips the rows already there, so a
 long grid can be extended or resumed. ``--ruler-max-new-tokens`` caps RULER's generation (official:
-128 for niah) to save time; the cap is recorded in each row.
+128 for niah) to save time; the cap is recorded in each row. ``--probe`` adds each row's live attention-mass
+recall and needle share (``diagnostics=recall``'s probe, docs/diagnostics.md) and the table a column of each.
+
+``--recall capture.pt`` prints each configuration's attention-mass recall on captured keys instead
+(offline); ``--live`` also runs each configuration on the capture's own prompt with the probe, side by side.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from evals.bench.capture import build_prompt
 from evals.bench.index import model_spec
 from evals.harness import REPO_ROOT, repo_path
 from evals.passkey import Passkey
@@ -40,6 +45,7 @@ from evals.registry import make_cache, make_method
 from evals.ruler import Ruler
 from evals.runner import generate
 from icecache.kv import KVMethod, compat
+from icecache.kv.recall import RecallProbe, positions_mask
 from icecache.models import load_model, load_tokenizer
 
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue")
@@ -76,6 +82,8 @@ class Prefilled:
             raise ValueError(f"{method.name} computes statistics during prefill attention; replay supports only "
                              "methods whose prefill stores the exact K/V (full, topk, icecache, ...)")
         for st, (k, v) in zip(cache.states, self.kv):
+            if cache.probe is not None:  # diagnostics=recall keeps the prompt's K/V as a live prefill would
+                cache.probe.keep(st.layer_idx, k, v)
             st.n_seen = k.shape[1]
             method.store(st, k, v)
             method.finish_prefill(st)
@@ -159,15 +167,23 @@ def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
     return out
 
 
-def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefilled, cap: int | None) -> dict:
+def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefilled, cap: int | None,
+             probe: bool = False) -> dict:
+    """One configuration on one sample; with ``probe``, also the live attention-mass recall (``recall_mean``,
+    ``needle_share_mean``, ``needle_top_mean``: :mod:`icecache.kv.recall`) of its decode steps."""
     method = cell.build()
     max_new = sample.max_new_tokens if cap is None or not sample.task.startswith("niah") else min(cap, sample.max_new_tokens)
+    recall = RecallProbe(needle=suite.needle_positions(sample)) if probe else None
     gen = generate(model, tokenizer, method, sample.prompt_ids, max_new, decode_ids=sample.decode_ids,
                    stop=sample.stop, ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
-                   min_new_tokens=sample.min_new_tokens, eos_token_ids=sample.eos_token_ids, prefilled=prefilled)
+                   min_new_tokens=sample.min_new_tokens, eos_token_ids=sample.eos_token_ids, prefilled=prefilled,
+                   probe=recall)
     budgeted = [e for i, e in enumerate(gen.effective_tokens) if e is not None and method.is_budgeted(i)]
-    return {"prediction": gen.text, "score": suite.score(sample, gen.text)["score"], "max_new_tokens": max_new,
-            "max_attended_per_head": max(budgeted, default=None), "max_resident": gen.max_resident_tokens}
+    row = {"prediction": gen.text, "score": suite.score(sample, gen.text)["score"], "max_new_tokens": max_new,
+           "max_attended_per_head": max(budgeted, default=None), "max_resident": gen.max_resident_tokens}
+    if gen.recall:
+        row.update({k: gen.recall.get(k) for k in ("recall_mean", "needle_share_mean", "needle_top_mean")})
+    return row
 
 
 def done_keys(path: Path) -> set[tuple]:
@@ -198,7 +214,7 @@ def run(args) -> Path:
         for cell in todo:
             row = {"config": cell.label, "budget": cell.budget, "suite": label, "id": sample.id, "task": sample.task,
                    "options": dict(cell.options), **run_cell(model, tokenizer, suite, sample, cell, prefilled,
-                                                              args.ruler_max_new_tokens)}
+                                                              args.ruler_max_new_tokens, args.probe)}
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         print(f"{label} {sample.id}: done", flush=True)
@@ -219,7 +235,12 @@ def table(*paths: Path) -> pd.DataFrame:
     acc = per_task.groupby(["config", "budget", "suite_name"])["score"].mean().unstack("suite_name")
     acc["n"] = rows.groupby(["config", "budget"]).size()
     acc["max_attended"] = rows.groupby(["config", "budget"])["max_attended_per_head"].max()
-    return acc.round(1).sort_index(level=["budget", "config"])
+    acc = acc.round(1)
+    for name in ("recall_mean", "needle_share_mean"):  # rows measured with --probe (per suite)
+        if name in rows and rows[name].notna().any():
+            means = rows.groupby(["config", "budget", "suite_name"])[name].mean().unstack("suite_name")
+            acc = acc.join(means.rename(columns=lambda suite: f"{suite}_{name.removesuffix('_mean')}").round(3))
+    return acc.sort_index(level=["budget", "config"])
 
 
 def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
@@ -260,16 +281,44 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
 
 
 def attended_mask(method: KVMethod, st, q: torch.Tensor, n: int) -> torch.Tensor:
-    """``[H_q, n]`` bool: the prompt positions each query head attends at this step."""
-    group = method.spec.group
+    """``[H_q, n]`` bool: the prompt positions each query head attends at this step (the live probe's
+    :func:`~icecache.kv.recall.positions_mask` of the method's own ``attended_positions``)."""
     if method.name == "topk":
         tokens = method.select(st, q)  # [H_q, budget + 1], the last entry the (absent) current token
-        return torch.zeros(q.shape[0], n, dtype=torch.bool).scatter_(1, tokens[:, :-1], True)
-    method.fetch(st, method.select(st, q))
-    positions = method.attended_positions(st)  # [H_kv, R], -1 = masked
-    mask = torch.zeros(positions.shape[0], n + 1, dtype=torch.bool)
-    mask.scatter_(1, torch.where(positions >= 0, positions, n), True)
-    return mask[:, :n].repeat_interleave(group, 0)
+        return positions_mask(tokens[:, :-1], n, q.shape[0])
+    selection = method.select(st, q)
+    method.fetch(st, selection)
+    return positions_mask(method.attended_positions(st, selection), n, q.shape[0])
+
+
+def live_recall(data: dict, cells: list[Config], data_dir: Path) -> pd.DataFrame:
+    """The same cells run live (``diagnostics=recall``'s probe) on the capture's own prompt, for as many decode
+    steps as were captured, pooled over the captured layers, next to :func:`config_recall` on the capture
+    (docs/diagnostics.md: the two differ in where the queries come from and in the generated tokens)."""
+    meta = data["meta"]
+    if "tokens" not in meta:
+        raise SystemExit("--live needs a capture written by this version of evals.bench.capture (its meta records "
+                         "--tokens); capture again")
+    model, tokenizer = load_model(meta["model"]), load_tokenizer(meta["model"])
+    prompt, _ = build_prompt(tokenizer, data_dir, meta["tokens"])
+    ids = tokenizer(prompt).input_ids
+    if len(ids) != meta["prompt_tokens"]:
+        raise SystemExit(f"--live: the rebuilt prompt has {len(ids)} tokens, the capture {meta['prompt_tokens']}: "
+                         "another data_dir or tokenizer?")
+    offline, rows = config_recall(data, cells), []
+    for cell in cells:
+        if (cell.label, cell.budget) not in offline.index:
+            continue
+        probe = RecallProbe()
+        generate(model, tokenizer, cell.build(), ids, meta["steps"] + 1, ignore_eos=True, probe=probe)
+        summary = probe.summary()
+        per_layer = summary["per_layer"]["recall"]
+        kept = [(m, n) for layer, m, n in zip(summary["layers"], per_layer["mean"], per_layer["n"])
+                if layer in data["layers"]]
+        rows.append({"config": cell.label, "budget": cell.budget,
+                     "offline_mean": offline.loc[(cell.label, cell.budget), "recall_mean"],
+                     "live_mean": sum(m * n for m, n in kept) / sum(n for _, n in kept)})
+    return pd.DataFrame(rows).set_index(["config", "budget"]).round(3)
 
 
 def main(argv=None) -> None:
@@ -302,6 +351,10 @@ def main(argv=None) -> None:
     p.add_argument("--table", nargs="*", default=None, help="only print the table of these files (default --out)")
     p.add_argument("--recall", default=None, help="a capture file (evals.bench.capture): print the attention-mass "
                    "recall of every configuration on its keys instead of running the suites")
+    p.add_argument("--probe", action="store_true", help="record each row's live attention-mass recall and needle "
+                   "share (diagnostics=recall's probe); the table gains <suite>_recall / <suite>_needle_share columns")
+    p.add_argument("--live", action="store_true", help="with --recall: also run each configuration live on the "
+                   "capture's prompt (diagnostics=recall's probe) and print both")
     args = p.parse_args(argv)
     if args.recall:
         data = torch.load(args.recall, map_location="cpu")
@@ -309,7 +362,8 @@ def main(argv=None) -> None:
                      args.own_candidates, args.defaults)
         if args.only:
             cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
-        print(config_recall(data, cells).to_string())
+        frame = live_recall(data, cells, Path(args.data_dir)) if args.live else config_recall(data, cells)
+        print(frame.to_string())
         return
     if args.table is not None:
         print(table(*map(Path, args.table or [args.out])).to_string())

@@ -14,7 +14,7 @@ Output (``torch.save``), the format ``evals.bench.index --keys`` reads:
 - ``"keys"``: per budgeted layer ``[H_kv, n, d]`` bf16 post-RoPE keys of the prompt,
 - ``"queries"``: per budgeted layer ``[steps, H_q, d]`` bf16 post-RoPE decode queries,
 - ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, official ``n_unlimited_layers``),
-- ``"meta"``: prompt length, pass key, its token depth, generated text.
+- ``"meta"``: model, ``--tokens``, prompt length, pass key, its token depth, steps, generated text.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def capture(model_name: str, data_dir: Path, n_tokens: int, steps: int, threads:
         "keys": [method.keys[i] for i in layers],
         "queries": [torch.stack(method.queries[i][:steps]) for i in layers],
         "layers": layers,
-        "meta": {"model": model_name, "prompt_tokens": int(ids.shape[1]), "pass_key": key,
+        "meta": {"model": model_name, "tokens": n_tokens, "prompt_tokens": int(ids.shape[1]), "pass_key": key,
                  "depth": 0.4, "steps": steps, "generated": generated},
     }
 

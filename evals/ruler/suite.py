@@ -152,6 +152,10 @@ class Ruler(Suite):
                                        "model_template": self.model_template, "token_count": self.token_count,
                                        "wonderwords": ww})
 
+    def needle_texts(self, sample: Sample) -> list[str]:
+        """The values of the needles the query asks for (niah tasks; the distractor needles are not followed)."""
+        return [str(v) for v in sample.reference] if TASKS[sample.task][0] == "niah" else []
+
     def score(self, sample: Sample, prediction: str, generate=None) -> dict[str, float]:
         pred = postprocess(prediction)
         metric = string_match_part if TASKS[sample.task][0] == "qa" else string_match_all

@@ -63,20 +63,24 @@ class MethodLayer(compat.CacheLayerMixin):
 class KVCache(compat.Cache):
     """What users pass to ``model(...)``/``model.generate(...)`` as ``past_key_values``."""
 
-    def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False):
-        self.method, self.spec = method, spec
+    def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False, probe=None):
+        """``probe``: a :class:`~icecache.kv.recall.RecallProbe` (``diagnostics=recall``) that keeps a copy of
+        every layer's K/V and measures what the method attends at each decode step; it never writes the
+        method's tensors."""
+        self.method, self.spec, self.probe = method, spec, probe
+        method.probe = probe
         self.timer = PhaseTimer(sync=profile, device=spec.device)
         self._bind_fresh()
         super().__init__(layers=self.layers)
 
     @classmethod
-    def for_model(cls, method: KVMethod, model: torch.nn.Module, profile: bool = False) -> "KVCache":
+    def for_model(cls, method: KVMethod, model: torch.nn.Module, profile: bool = False, probe=None) -> "KVCache":
         """A cache of ``method`` for ``model.generate(..., past_key_values=KVCache.for_model(method, model))``;
         also switches the model's attention to the cache-aware function (idempotent). One cache serves one
         sequence (batch size 1): make a new one per prompt."""
         compat.enable_attention(model)
         method.attach(model)
-        return cls(method, ModelSpec.from_model(model), profile=profile)
+        return cls(method, ModelSpec.from_model(model), profile=profile, probe=probe)
 
     def _bind_fresh(self) -> None:
         self.method.bind(self.spec)
@@ -89,6 +93,8 @@ class KVCache(compat.Cache):
         """Empties the cache (same method, same budget) so it can serve a new, unrelated prompt."""
         self.wait_background()
         self.method.close()
+        if self.probe is not None:
+            self.probe.reset()
         self._bind_fresh()
 
     def n_tokens(self) -> int:
@@ -134,6 +140,8 @@ class KVCache(compat.Cache):
         """Dispatches one layer's attention to the method (tensors batch-squeezed)."""
         st, method = self.states[layer_idx], self.method
         if self.phase == "prefill":
+            if self.probe is not None:
+                self.probe.keep(layer_idx, k, v)
             st.n_seen += q.shape[1]
             out = method.prefill(st, q, k, v)
             method.finish_prefill(st)
@@ -142,6 +150,8 @@ class KVCache(compat.Cache):
             raise RuntimeError("attention called before begin_prefill()")
         outs = []
         for i in range(q.shape[1]):
+            if self.probe is not None:
+                self.probe.keep(layer_idx, k[:, i:i + 1], v[:, i:i + 1])
             st.n_seen += 1
             outs.append(method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

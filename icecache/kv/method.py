@@ -155,6 +155,7 @@ class KVMethod:
     spec: ModelSpec | None = field(default=None, init=False, repr=False)
     _executor: Any = field(default=None, init=False, repr=False)
     layer_states: dict = field(default_factory=dict, init=False, repr=False)  # layer -> its state (new_state)
+    probe: Any = field(default=None, init=False, repr=False)  # diagnostics=recall (icecache.kv.recall.RecallProbe)
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -252,6 +253,9 @@ class KVMethod:
             fetched = self.fetch(st, selection)
         with timer.span("attention"):
             out = self.attend(st, q, fetched)
+        if self.probe is not None:  # reads only; before observe, which may evict what was attended
+            with timer.span("diagnostics"):
+                self.probe.measure(self, st, q, selection, out)
         with timer.span("update"):
             self.observe(st, q, fetched, selection)
         st.attended_sum = st.attended_sum + fetched.past_tokens_per_head()  # no host sync
@@ -275,6 +279,13 @@ class KVMethod:
 
     def observe(self, st: LayerState, q: torch.Tensor, fetched: Fetched, selection: Any) -> None:
         """After attention: update scores, evict (eviction methods) or insert into indexes."""
+
+    def attended_positions(self, st: LayerState, selection: Any) -> torch.Tensor:
+        """Original positions of what :meth:`fetch` returned for ``selection`` this step, current token
+        included: ``[m]`` (one set for every head) or ``[H, m]`` with ``H`` in {1, H_kv, H_q}, -1 where a slot
+        is masked. Read by the ``diagnostics=recall`` probe after attention, before :meth:`observe`. Default:
+        the resident positions (methods whose ``fetch`` returns the resident K/V)."""
+        return st.pos
 
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: LayerState) -> int:

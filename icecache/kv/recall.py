@@ -1,0 +1,169 @@
+"""Live attention-mass recall (``diagnostics=recall``): how much of the exact attention a method kept.
+
+At every ``every``-th decode step, for each budgeted layer and query head, :class:`RecallProbe` computes the
+exact softmax attention (fp64) of the step's query over the whole context -- the prompt and every token
+decoded so far, kept aside for this diagnostic only -- and measures:
+
+- ``recall``: the share of that attention that falls on the tokens the method attended (attention-mass
+  recall: what a retrieval method's index approximates, what an eviction method's kept set preserves);
+- ``error``: the relative L2 error of the method's attention output against the exact one,
+  ``||o - o*|| / ||o*||``. For a sampling method (MagicPIG) this is the estimator's error; for StreamingLLM's
+  re-rotated keys it includes what the re-rotation changes;
+- on needle tasks (the suite names the needle text, e.g. the pass key): ``needle_share``, the share of the
+  attention on the needle's tokens that falls on attended ones, and ``needle_top``, whether the needle token
+  with the most attention was attended (1 or 0).
+
+The tokens a method attended are its :meth:`~icecache.kv.KVMethod.attended_positions` (original positions,
+-1 for masked slots), read between its attention and its ``observe`` (before an eviction that follows). The
+probe only reads: the K/V it keeps are its own copies and nothing of the method is written, so outputs and
+predictions are unchanged (``tests/test_recall.py`` compares them with and without the probe). Its cost is
+timed as the ``diagnostics`` phase and is part of the step's wall time, so a run with the probe is not a
+latency measurement.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from .attention import expand_heads
+from .method import append_to_buffer
+
+METRICS = ("recall", "error", "needle_share", "needle_top")
+
+
+def positions_mask(positions: torch.Tensor, n: int, n_q_heads: int) -> torch.Tensor:
+    """``[H_q, n]`` bool, True where query head ``h`` attends position ``j``, from original positions ``[m]``
+    (one set for every head) or ``[H, m]`` (``H`` in {1, H_kv, H_q}; query head ``h`` reads head
+    ``h // (H_q / H)``), ``-1`` marking masked slots."""
+    positions = positions.detach().long().cpu()
+    positions = positions[None] if positions.dim() == 1 else positions
+    if positions.numel() and int(positions.max()) >= n:
+        raise ValueError(f"attended position {int(positions.max())} is beyond the {n} tokens of the context")
+    mask = torch.zeros(positions.shape[0], n + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(positions >= 0, positions, n), True)
+    return expand_heads(mask[:, :n], n_q_heads)
+
+
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 probabilities ``[H_q, n]`` and output ``[H_q, d]`` of one query per head ``q: [H_q, d]`` over
+    ``keys, values: [H_kv, n, d]`` (query head ``h`` reads KV head ``h // group``)."""
+    h_kv, n, d = keys.shape
+    grouped = q.double().view(h_kv, -1, d)  # [H_kv, G, d]
+    probs = (torch.matmul(grouped, keys.double().transpose(1, 2)) * scaling).softmax(-1)  # [H_kv, G, n]
+    out = torch.matmul(probs, values.double())  # [H_kv, G, d]
+    return probs.reshape(-1, n), out.reshape(-1, d)
+
+
+def step_metrics(probs: torch.Tensor, exact_out: torch.Tensor, out: torch.Tensor, mask: torch.Tensor,
+                 needle: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per query head: ``recall``, ``error`` and, when ``needle`` (prompt positions) is not empty,
+    ``needle_share`` and ``needle_top`` (see the module docstring)."""
+    kept = probs * mask
+    err = (out.double() - exact_out).norm(dim=-1) / exact_out.norm(dim=-1).clamp(min=1e-30)
+    metrics = {"recall": kept.sum(-1), "error": err}
+    if needle.numel():
+        on_needle = probs[:, needle]
+        metrics["needle_share"] = kept[:, needle].sum(-1) / on_needle.sum(-1).clamp(min=1e-300)
+        top = needle[on_needle.argmax(-1)]
+        metrics["needle_top"] = mask.gather(1, top[:, None])[:, 0].double()
+    return metrics
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    return {"mean": float(values.mean()), "median": float(np.median(values)),
+            "p10": float(np.percentile(values, 10)), "n": int(values.size)}
+
+
+class RecallProbe:
+    """Keeps a copy of every layer's K/V and measures, per budgeted layer, the attention-mass recall of what
+    the method attends (module docstring). ``every``: measure every ``every``-th decode step of each layer;
+    ``needle``: prompt positions of the needle tokens (empty: no needle metrics)."""
+
+    def __init__(self, every: int = 1, needle: list[int] | tuple[int, ...] = ()):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"diagnostics.every must be a whole number >= 1 (decode steps), got {every!r}")
+        self.every = every
+        self.needle = torch.as_tensor(sorted(set(needle)), dtype=torch.long)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the kept K/V and the measurements (a cache reset for a new prompt)."""
+        self.buffers: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.views: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.steps: dict[int, int] = defaultdict(int)
+        self.values: dict[int, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+
+    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends a copy of ``k, v: [H_kv, m, d]`` to the layer's full context (before the method sees them)."""
+        for name, x in (("k", k), ("v", v)):
+            self.buffers[layer][name], self.views[layer][name] = append_to_buffer(
+                self.buffers[layer].get(name), self.views[layer].get(name), x.detach().cpu())
+
+    def measure(self, method, st, q: torch.Tensor, selection, out: torch.Tensor) -> None:
+        """One decode step of one layer, after the method's attention (``q, out: [H_q, 1, d]``)."""
+        layer = st.layer_idx
+        if not method.is_budgeted(layer):
+            return
+        self.steps[layer] += 1
+        if (self.steps[layer] - 1) % self.every:
+            return
+        keys, values = self.views[layer]["k"], self.views[layer]["v"]
+        n = keys.shape[1]
+        mask = positions_mask(method.attended_positions(st, selection), n, q.shape[0])
+        probs, exact_out = exact_attention(q[:, 0].detach().cpu(), keys, values, method.spec.scaling)
+        needle = self.needle[self.needle < n]
+        for name, value in step_metrics(probs, exact_out, out[:, 0].detach().cpu(), mask, needle).items():
+            self.values[layer][name].append(value.float())
+
+    def summary(self) -> dict | None:
+        """What a prediction row keeps: the pooled mean (and p10) of each metric over every measured step,
+        layer and query head, and per layer (``layers``) its mean, median, p10 and number of cases. None when
+        nothing was measured (no budgeted layer, or no decode step)."""
+        layers = sorted(self.values)
+        if not layers:
+            return None
+        out: dict = {"every": self.every, "layers": layers, "needle_tokens": int(self.needle.numel()),
+                     "per_layer": {}}
+        for name in METRICS:
+            per_layer = [torch.cat(self.values[i][name]).numpy() for i in layers if self.values[i].get(name)]
+            if not per_layer:
+                continue
+            pooled = np.concatenate(per_layer)
+            out[f"{name}_mean"], out[f"{name}_p10"] = float(pooled.mean()), float(np.percentile(pooled, 10))
+            stats = [_stats(v) for v in per_layer]
+            out["per_layer"][name] = {key: [s[key] for s in stats] for key in ("mean", "median", "p10", "n")}
+        return out
+
+
+def pool_recall(rows: list[dict]) -> dict | None:
+    """``recall.json`` of a run from its rows' ``recall`` entries: per metric, the mean over every measured
+    case of the run (pooled means, weighted by each sample's cases) and, per layer, that mean plus the
+    median and p10 *over samples* of each sample's mean in that layer; ``samples`` lists each sample's
+    pooled numbers. None when no row has one."""
+    entries = [(row["id"], row["recall"]) for row in rows if row.get("recall")]
+    if not entries:
+        return None
+    layers = sorted({layer for _, rec in entries for layer in rec["layers"]})
+    out: dict = {"n_samples": len(entries), "every": entries[0][1]["every"], "layers": layers, "per_layer": {}}
+    for name in METRICS:
+        per_sample = [(rec["layers"], rec["per_layer"][name]) for _, rec in entries if name in rec["per_layer"]]
+        if not per_sample:
+            continue
+        means = {layer: [] for layer in layers}
+        total = count = 0.0
+        for rec_layers, stats in per_sample:
+            for layer, mean, n in zip(rec_layers, stats["mean"], stats["n"]):
+                means[layer].append((mean, n))
+                total, count = total + mean * n, count + n
+        out[f"{name}_mean"] = total / count
+        rows_of = [means[layer] for layer in layers]
+        out["per_layer"][name] = {
+            "mean": [sum(m * n for m, n in ms) / sum(n for _, n in ms) if ms else None for ms in rows_of],
+            "median": [float(np.median([m for m, _ in ms])) if ms else None for ms in rows_of],
+            "p10": [float(np.percentile([m for m, _ in ms], 10)) if ms else None for ms in rows_of],
+            "n_samples": [len(ms) for ms in rows_of]}
+    out["samples"] = {sid: {k: v for k, v in rec.items() if k.endswith(("_mean", "_p10"))} for sid, rec in entries}
+    return out
