@@ -185,22 +185,30 @@ def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
 
 
 def recall_vs_layer(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """Mean attention-mass recall per budgeted layer (``recall.json``), one line per run with
-    ``diagnostics=recall``, in its method's colour (a marker per budget)."""
+    """Mean attention-mass recall per budgeted layer (``recall.json``), one panel per budget and one line per
+    run with ``diagnostics=recall`` in its method's colour; one legend for all panels, outside them."""
     frame = _sorted_runs(frame)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    markers = "osD^v<>px*"
-    budgets = sorted({b for b in frame["budget"] if pd.notna(b)})
-    for label, (_, row) in zip(unique_labels(frame), frame.iterrows()):
+    budgets = sorted({b for b in frame["budget"] if pd.notna(b)}) or [None]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets) + 2, 3.6), sharey=True, squeeze=False)
+    handles = {}
+    for _, row in frame.iterrows():
         recall = read_recall(row["run_dir"])
         if not recall or "recall" not in recall.get("per_layer", {}):
             continue
-        marker = markers[budgets.index(row["budget"]) % len(markers)] if row["budget"] in budgets else "o"
-        ax.plot(recall["layers"], recall["per_layer"]["recall"]["mean"], marker=marker, ms=4,
-                color=method_color(row["cache"]), label=label)
-    ax.set_ylim(0, 1.02)
-    return _finish_line_plot(fig, ax, out, "layer", "attention-mass recall (mean over steps and heads)",
-                             title or "Attention-mass recall per layer")
+        ax = axes[0][budgets.index(row["budget"]) if row["budget"] in budgets else 0]
+        label = _line_label(row["cache"], _variant(row))
+        (line,) = ax.plot(recall["layers"], recall["per_layer"]["recall"]["mean"], marker="o", ms=3,
+                          color=method_color(row["cache"]), label=label)
+        handles.setdefault(label, line)
+    for ax, budget in zip(axes[0], budgets):
+        ax.set_title(f"budget {_budget_text(budget)}" if budget is not None else "")
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("attention-mass recall\n(mean over steps and heads)")
+    axes[0][0].set_ylim(0, 1.02)
+    fig.legend(list(handles.values()), list(handles), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(title or "Attention-mass recall per layer")
+    return _save(fig, out)
 
 
 def recall_vs_accuracy(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
@@ -216,7 +224,7 @@ def recall_vs_accuracy(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
             if cache != "full":
                 ax.annotate(f"b{_budget_text(row['budget'])}", (row["recall_mean"], row["score"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlim(0, 1.02)
+    ax.set_xlim(max(0.0, float(frame["recall_mean"].min()) - 0.05), 1.01)
     ax.set_ylim(-3, 103)
     return _finish_line_plot(fig, ax, out, "attention-mass recall (pooled mean)", "score (0-100)",
                              title or "Score vs attention-mass recall")
