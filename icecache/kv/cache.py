@@ -67,11 +67,16 @@ class KVCache(compat.Cache):
         """``probe``: a :class:`~icecache.kv.recall.RecallProbe` (``diagnostics=recall``) that keeps a copy of
         every layer's K/V and measures what the method attends at each decode step; it never writes the
         method's tensors."""
-        self.method, self.spec, self.probe = method, spec, probe
-        method.probe = probe
+        self.method, self.spec = method, spec
+        method.probe = probe  # the method measures (between attend and observe); the cache feeds it the K/V
         self.timer = PhaseTimer(sync=profile, device=spec.device)
         self._bind_fresh()
         super().__init__(layers=self.layers)
+
+    @property
+    def probe(self):
+        """The method's ``diagnostics=recall`` probe (one object, held by the method), or None."""
+        return self.method.probe
 
     @classmethod
     def for_model(cls, method: KVMethod, model: torch.nn.Module, profile: bool = False, probe=None) -> "KVCache":
