@@ -172,6 +172,8 @@ class IceCache(KVMethod):
             from the clock at every ``dci_init``), here drawn from ``seed`` and the prompt's number in this
             process, so a run is reproducible in the same order; ``None``: preset. Either way all layers
             and heads of one prefill share it, as the official code passes one ``proj_vec`` to every layer.
+        key_storage: the index's copy of the keys: ``"auto"`` (bf16 keys stay bf16: the same scores at half the
+            bytes the search reads) or ``"float32"`` (:class:`~icecache.dci.DCIConfig`).
         ratio_1, ratio_2, search_ratio, min_fov, seed: M-DCI parameters
             (:class:`~icecache.dci.DCIConfig`; defaults of the official LongBench/passkey scripts).
     """
@@ -194,6 +196,7 @@ class IceCache(KVMethod):
     candidate_rule: str | None = None
     prefill_pipeline: str | None = None
     projection: str | None = None
+    key_storage: str = "auto"
     seed: int = 0
     name: ClassVar[str] = "icecache"
     example_budget: ClassVar[int] = 128
@@ -224,6 +227,7 @@ class IceCache(KVMethod):
         self.check_choice("candidate_rule", ("scored", "official"))
         self.check_choice("prefill_pipeline", ("overlap", "official"))
         self.check_choice("projection", ("seeded", "per_prompt"))
+        self.check_choice("key_storage", ("auto", "float32"))
         if self.budget_layout not in ("auto", "fixed"):
             raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
         if self.gqa_merge not in MERGE_MODES:
@@ -257,7 +261,7 @@ class IceCache(KVMethod):
         return DCIConfig(page_size=self.page_size, ratio_1=self.ratio_1, ratio_2=self.ratio_2,
                          search_ratio=self.search_ratio, min_fov=self.min_fov,
                          prop_to_retrieve=self.prop_to_retrieve, candidate_rule=self.candidate_rule,
-                         seed=self._projection_seed)
+                         key_storage=self.key_storage, seed=self._projection_seed)
 
     def make_state(self, layer_idx: int) -> IceState:
         return IceState(layer_idx)

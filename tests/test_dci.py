@@ -474,3 +474,33 @@ def test_official_candidate_rule_ranks_fewer_pages_and_changes_some_results():
 def test_candidate_rule_is_validated():
     with pytest.raises(ValueError, match="candidate_rule"):
         DCIConfig(candidate_rule="C")
+
+
+def test_bf16_keys_are_stored_in_bf16_with_every_result_unchanged():
+    """``key_storage="auto"`` keeps bf16 keys as their bf16 bits (half the bytes of the fp32 copy): the stored
+    keys read back are exactly the bf16 keys of the page table's tokens, and builds, inserts (splits and the
+    norm correction included), changed-page flags and scored searches equal those of an fp32 copy."""
+    heads, n = 2, 1200
+    keys = _keys(heads, n + 96, seed=21)
+    keys[:, n + 48:] *= 3  # larger norms: M grows, nodes are re-projected (``_reproject``)
+    keys = keys.to(torch.bfloat16)
+    built = {ks: MDCIIndex.build(keys[:, :n], torch.arange(n), DCIConfig(ratio_1=0.02, key_storage=ks))
+             for ks in ("auto", "float32")}
+    bf16, fp32 = built["auto"], built["float32"]
+    assert bf16.page_keys.dtype == np.uint16 and bf16.page_keys.nbytes * 2 == fp32.page_keys.nbytes
+    for a in range(n, n + 96, 16):
+        ids = torch.arange(a, a + 16)
+        assert torch.equal(bf16.insert(keys[:, a:a + 16], ids), fp32.insert(keys[:, a:a + 16], ids))
+    assert torch.equal(bf16.page_table, fp32.page_table)
+    q = torch.randn(6, D, generator=torch.Generator().manual_seed(22))
+    for got, want in zip(bf16.search_scored(q, 3, 12), fp32.search_scored(q, 3, 12)):
+        assert torch.equal(got, want)
+    table, valid = bf16.page_table, bf16.page_valid
+    for h in range(heads):
+        for p in range(bf16.n_pages):
+            m = int(valid[h, p])
+            stored = torch.from_numpy(bf16.page_keys[h, p, :m].astype(np.int32) << 16).view(torch.float32)
+            assert torch.equal(stored, keys[h, table[h, p, :m]].float())
+    assert MDCIIndex.build(keys[:, :n].float(), torch.arange(n), DCIConfig()).page_keys.dtype == np.float32
+    with pytest.raises(ValueError, match="key_storage"):
+        DCIConfig(key_storage="bf16")

@@ -59,8 +59,8 @@ pools starve each other (x10 and more).
 Differences from the C code, and why:
 
 - Batched layout instead of one B+-tree per node: a node's pages are a linked list of fixed
-  16-slot blocks with keys stored contiguously (``[H, P, 16, d]`` fp32), so scoring a node is a dense
-  scan. The children visited by the chunk walk always form one contiguous run of the sorted list,
+  16-slot blocks with keys stored contiguously (``[H, P, 16, d]``; fp32, or bf16 when the keys are bf16,
+  ``DCIConfig.key_storage``), so scoring a node is a dense scan. The children visited by the chunk walk always form one contiguous run of the sorted list,
   which is scored page by page.
 - Candidates (``DCIConfig.candidate_rule``): the result is the ``K`` distinct pages in order of their best
   candidate token, as in ``dci_query``. By default (``"scored"``) every token the search scores is a
@@ -87,7 +87,8 @@ Differences from the C code, and why:
   existing pages). The C code re-bulk-loads the node (possibly fewer leaves); we keep its page ids so
   no page id is freed, and flag only pages whose token list changed.
 - Random promotion compacts empty intermediate levels (a token lives on one level only).
-- Keys in bf16 are computed in fp32; the projection direction ``u`` is drawn per index from
+- Keys in bf16 are stored in bf16 (``key_storage="auto"``) and scored in fp32 arithmetic: the scores of
+  an fp32 copy exactly, at half its memory. The projection direction ``u`` is drawn per index from
   ``cfg.seed`` (the C code draws one per prefill, shared by all layers; pass the same seed to share).
 """
 

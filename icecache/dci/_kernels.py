@@ -4,8 +4,9 @@ Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capac
 kernels as three named tuples of arrays (:class:`Pages`, :class:`Nodes`, :class:`Tokens`; the
 ``MDCIIndex`` attribute of each field is in brackets):
 
-- ``Pages``: ``keys [H, P, S, d]`` fp32 keys in page layout (a node's children are scored page by
-  page, contiguous in memory) (``page_keys``), ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
+- ``Pages``: ``keys [H, P, S, d]`` keys in page layout (a node's children are scored page by
+  page, contiguous in memory) (``page_keys``): fp32, or the raw bits of bf16 keys as uint16 (read through
+  :func:`key_f32`, exactly the fp32 value of the bf16 key, half the bytes), ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
   ``proj [H, P, S]`` = ``p(k)`` (``page_proj``), ``loc [H, P, S]`` local token index (``page_loc``),
   ``abs [H, P, S]`` absolute token id, -1 = empty (``page_abs``); ``valid [H, P]`` used slots
   (``page_valid_np``), ``next [H, P]`` next page of the same parent, -1 = last (``page_next``),
@@ -28,10 +29,29 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+
+
+@intrinsic
+def key_f32(typingctx, x):
+    """A stored key element as fp32: a float32 as it is, a uint16 as the bf16 number whose bits it holds
+    (``bits << 16`` reinterpreted as fp32: exact, and it vectorises). Every kernel reads ``Pages.keys``
+    through this, so one kernel body serves fp32 and bf16 key storage (``DCIConfig.key_storage``)."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        return types.float32(x), lambda context, builder, sig, args: args[0]
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and not x.signed:
+        def codegen(context, builder, sig, args):
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
 
 # the index's arrays (module docstring); the tuples hold references, so kernels write in place
 Pages = namedtuple("Pages", "keys uk proj loc abs valid next node used")
@@ -127,7 +147,7 @@ def _score_page(h, qv, pg, s0, s1, rank, pages, best, touched, n_touched, cand_s
     for s in range(s0, s1):
         acc = np.float32(0.0)
         for j in range(d):
-            acc += qv[j] * pages.keys[h, pg, s, j]
+            acc += qv[j] * key_f32(pages.keys[h, pg, s, j])
         top = max(top, acc)
         cand_s[nc] = acc
         cand_v[nc] = pages.loc[h, pg, s] + 1
@@ -293,7 +313,7 @@ def _rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched
         for s in range(max(lo - i, 0), min(hi - i, v)):
             acc = np.float32(0.0)
             for j in range(qv.shape[0]):
-                acc += qv[j] * pages.keys[h, pg, s, j]
+                acc += qv[j] * key_f32(pages.keys[h, pg, s, j])
             buf_s[n] = acc
             buf_p[n] = pg
             n += 1
@@ -326,7 +346,7 @@ def _score_slots(h, q_group, g, pg, s0, s1, pages, best):
     for s in range(s0, s1):
         acc = np.float32(0.0)
         for j in range(q_group.shape[1]):
-            acc += q_group[g, j] * pages.keys[h, pg, s, j]
+            acc += q_group[g, j] * key_f32(pages.keys[h, pg, s, j])
         top = max(top, acc)
     best[g, pg] = top
 
@@ -341,7 +361,7 @@ def _score_slots3(h, q_group, g0, g1, g2, pg, s0, s1, pages, best):
         a1 = np.float32(0.0)
         a2 = np.float32(0.0)
         for j in range(q_group.shape[1]):
-            k = pages.keys[h, pg, s, j]
+            k = key_f32(pages.keys[h, pg, s, j])
             a0 += q_group[g0, j] * k
             a1 += q_group[g1, j] * k
             a2 += q_group[g2, j] * k
@@ -561,7 +581,7 @@ def _reproject(h, node, m2, u_last, pages, nodes, tokens, changed):
     for pg in chain:
         c += pages.valid[h, pg]
     d = pages.keys.shape[3]
-    keys = np.empty((c, d), dtype=np.float32)
+    keys = np.empty((c, d), dtype=pages.keys.dtype)  # stored form, moved as it is
     uk = np.empty(c, dtype=np.float32)
     proj = np.empty(c, dtype=np.float32)
     loc = np.empty(c, dtype=np.int64)

@@ -36,6 +36,9 @@ class DCIConfig:
             ``D <= anchor_threshold * maxchilddist(P)`` (1.02), else it falls back to the full search.
         use_anchors: use the anchor shortcut at level 0 when it holds more than
             ``exact_parent_threshold`` points (``src/dci.c`` anchors).
+        key_storage: how the index stores its copy of the keys: ``"auto"`` (default) keeps bf16 keys in
+            bf16 (their raw bits, read as fp32 by the kernels: every score is the same as with an fp32 copy,
+            at half the memory and half the bytes the search reads) and other dtypes in fp32; ``"float32"`` always stores fp32.
         seed: seeds the projection direction ``u`` and random promotion.
     """
 
@@ -53,6 +56,7 @@ class DCIConfig:
     anchor_window: int = 60
     anchor_threshold: float = 1.02
     use_anchors: bool = True
+    key_storage: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +68,8 @@ class DCIConfig:
             raise ValueError("promotion ratios must lie in (0, 1)")
         if self.candidate_rule not in ("scored", "official"):
             raise ValueError(f"candidate_rule must be 'scored' or 'official', got {self.candidate_rule!r}")
+        if self.key_storage not in ("auto", "float32"):
+            raise ValueError(f"key_storage must be 'auto' or 'float32', got {self.key_storage!r}")
         if self.visit_chunk < 1:
             raise ValueError("visit_chunk must be >= 1")
         if not 0.0 < self.prop_to_retrieve <= 1.0:

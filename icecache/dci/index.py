@@ -25,6 +25,14 @@ def _as_f32(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to(torch.float32).numpy())
 
 
+def _stored_keys(x: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    """``x`` in the index's key storage ``dtype``: fp32, or uint16 holding the bits of ``x`` in bf16
+    (``DCIConfig.key_storage``; ``_kernels.key_f32`` reads them back)."""
+    if dtype == np.uint16:
+        return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    return _as_f32(x)
+
+
 def _grow(arr: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
     """Copy of ``arr`` enlarged to ``size`` along ``axis``, new entries set to ``fill``."""
     shape = list(arr.shape)
@@ -47,8 +55,9 @@ _PAGE_ARRAYS = (("page_keys", 1, 0.0), ("page_uk", 1, 0.0), ("page_proj", 1, 0.0
 class MDCIIndex:
     """One layer's M-DCI index: one logical instance per KV head, stored and searched together."""
 
-    def __init__(self, cfg: DCIConfig, heads: int, dim: int, n: int, token_cap: int, page_cap: int):
-        """Allocate empty storage; use :meth:`build`."""
+    def __init__(self, cfg: DCIConfig, heads: int, dim: int, n: int, token_cap: int, page_cap: int,
+                 key_dtype: type = np.float32):
+        """Allocate empty storage; use :meth:`build`. ``key_dtype``: np.float32, or np.uint16 (bf16 bits)."""
         self.cfg = cfg
         self.heads, self.dim, self.n = heads, dim, n
         s = cfg.page_size
@@ -62,7 +71,7 @@ class MDCIIndex:
         self.node_npages = np.zeros((heads, token_cap + 1), dtype=np.int64)
         self.node_nleaf = np.zeros((heads, token_cap + 1), dtype=np.int64)
         self.node_m2 = np.zeros((heads, token_cap + 1), dtype=np.float32)
-        self.page_keys = np.zeros((heads, page_cap, s, dim), dtype=np.float32)
+        self.page_keys = np.zeros((heads, page_cap, s, dim), dtype=key_dtype)
         self.page_uk = np.zeros((heads, page_cap, s), dtype=np.float32)
         self.page_proj = np.zeros((heads, page_cap, s), dtype=np.float32)
         self.page_loc = np.full((heads, page_cap, s), -1, dtype=np.int64)
@@ -96,7 +105,8 @@ class MDCIIndex:
     @classmethod
     def build(cls, keys: torch.Tensor, token_ids: torch.Tensor,
               cfg: DCIConfig | None = None) -> "MDCIIndex":
-        """Build the index over ``keys [H_kv, n, d]`` (post-RoPE, any float dtype; fp32 inside).
+        """Build the index over ``keys [H_kv, n, d]`` (post-RoPE, any float dtype; fp32 arithmetic, bf16 keys
+        stored as bf16 under ``cfg.key_storage="auto"``).
 
         ``token_ids [n]`` are the absolute positions of these keys in the layer's token store; pages
         and search results refer to them through :attr:`page_table`.
@@ -106,7 +116,9 @@ class MDCIIndex:
         if n < 1:
             raise ValueError("cannot build an M-DCI index over zero keys")
         keys32 = keys.detach().to(torch.float32).contiguous()
-        self = cls(cfg, heads, dim, n, token_cap=n + max(256, n // 8), page_cap=1)
+        bf16 = cfg.key_storage == "auto" and keys.dtype == torch.bfloat16
+        self = cls(cfg, heads, dim, n, token_cap=n + max(256, n // 8), page_cap=1,
+                   key_dtype=np.uint16 if bf16 else np.float32)
         k_np = keys32.numpy()
         sq, uk = _kernels.norms_and_proj(k_np, self.u)
         m2 = sq.max(1)
@@ -115,11 +127,13 @@ class MDCIIndex:
         lifted = torch.cat([keys32, torch.from_numpy(height).unsqueeze(-1)], dim=-1)
         parent = assign_parents(lifted, torch.from_numpy(m2), level, cfg)
         proj = uk + self.u[-1] * height
-        self._bulk_load(k_np, uk, proj, sq, m2, token_ids, level, parent)
+        k_stored = _stored_keys(keys, self.page_keys.dtype)
+        self._bulk_load(k_np, k_stored, uk, proj, sq, m2, token_ids, level, parent)
         return self
 
-    def _bulk_load(self, k_np, uk, proj, sq, m2, token_ids, level, parent) -> None:
-        """Fill the token, node and page arrays from the levels and parents (``src/dci.c`` page construction)."""
+    def _bulk_load(self, k_np, k_stored, uk, proj, sq, m2, token_ids, level, parent) -> None:
+        """Fill the token, node and page arrays from the levels and parents (``src/dci.c`` page construction);
+        ``k_np`` fp32 keys, ``k_stored`` the same in the page storage's dtype."""
         n, s = self.n, self.cfg.page_size
         self.tok_abs[:n] = token_ids.detach().to(torch.int64).numpy()
         self.level[:n] = level
@@ -132,7 +146,7 @@ class MDCIIndex:
         pages = int(((children + s - 1) // s).sum(1).max())
         self._max_children = int(children.max())
         self._ensure_pages(pages + max(64, pages // 8))
-        _kernels.bulk_load(parent, proj, uk, k_np, self.tok_abs, s, self._pages, self._nodes,
+        _kernels.bulk_load(parent, proj, uk, k_stored, self.tok_abs, s, self._pages, self._nodes,
                            self._tokens)
         upper = np.flatnonzero(level > 0)
         by_level = upper[np.argsort(level[upper], kind="stable")].astype(np.int64)
@@ -216,7 +230,8 @@ class MDCIIndex:
         abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        most = _kernels.insert(k_np, uk, sq, parent, loc, abs_ids, self.m2, np.float32(self.u[-1]),
+        most = _kernels.insert(_stored_keys(keys, self.page_keys.dtype), uk, sq, parent, loc, abs_ids, self.m2,
+                               np.float32(self.u[-1]),
                                self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
         self.n += m
         self._max_children = max(self._max_children, most * self.cfg.page_size)
