@@ -46,3 +46,35 @@ def test_grid_keeps_only_valid_cells():
     labels = [c.label for c in grid([64], merges=("interleaved",), page_sizes=(16, 8), sinks=(16, 32))]
     assert labels == ["full", "topk", "icecache[interleaved,page=16,sink=16]",
                       "icecache[interleaved,page=8,sink=16]", "icecache[interleaved,page=8,sink=32]"]
+
+
+def test_ratio_to_full_pools_seeds_and_bootstraps_paired_samples(tmp_path):
+    """The ratio is the mean over tasks of per-task means, against full on the same samples; renaming per file
+    keeps a label that meant two configurations apart; identical answers give ratio 1 with a zero-width interval."""
+    import json
+
+    from evals.bench.ablation import parse_aliases, ratio_to_full, read_rows
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    def row(config, seed, task, i, score):
+        return {"config": config, "budget": 0 if config == "full" else 256, "suite": f"ruler/s{seed}",
+                "id": f"{task}-{i}", "task": task, "score": score, "max_attended_per_head": None}
+
+    full0 = [row("full", 0, "a", i, s) for i, s in enumerate([1, 1, 0, 0])] + [row("full", 0, "b", 0, 1)]
+    old = [row("icecache[default]", 0, "a", i, 0) for i in range(4)] + [row("icecache[default]", 0, "b", 0, 0)]
+    new0 = [row("icecache[p=1]", 0, "a", i, s) for i, s in enumerate([1, 0, 0, 0])] + [row("icecache[p=1]", 0, "b", 0, 1)]
+    seed1 = [row("full", 1, "a", 0, 1), row("icecache[default]", 1, "a", 0, 1), row("topk", 1, "a", 0, 1)]
+    paths = [write("s0.jsonl", full0 + old + new0), write("s1.jsonl", seed1)]
+    aliases = parse_aliases(["s0.jsonl:icecache[default]=icecache[old]", "icecache[p=1]=icecache[default]"])
+    frame = ratio_to_full(read_rows(*paths, aliases=aliases))
+    pooled = frame.loc[("ruler", "icecache[default]", 256)]
+    # task a: (1+0+0+0+1)/5 = 0.4 vs full 3/5; task b: 1 vs 1 -> (0.4 + 1) / 2 / ((0.6 + 1) / 2)
+    assert pooled["n"] == 6 and pooled["ratio"] == pytest.approx(0.7 / 0.8, abs=1e-3)
+    assert pooled["ci_low"] <= pooled["ratio"] <= pooled["ci_high"]
+    assert frame.loc[("ruler", "icecache[old]", 256)]["ratio"] == 0
+    topk = frame.loc[("ruler", "topk", 256)]
+    assert (topk["ratio"], topk["ci_low"], topk["ci_high"]) == (1, 1, 1)

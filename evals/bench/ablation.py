@@ -16,6 +16,9 @@ Rows are appended to ``--out`` (JSON lines) as they finish; a rerun skips the ro
 long grid can be extended or resumed. ``--ruler-max-new-tokens`` caps RULER's generation (official:
 128 for niah) to save time; the cap is recorded in each row. ``--probe`` adds each row's live attention-mass
 recall and needle share (``diagnostics=recall``'s probe, docs/diagnostics.md) and the table a column of each.
+``--table FILE ... --ci`` also prints each configuration's ratio to full on the same samples with a 95% paired
+bootstrap interval (:func:`ratio_to_full`); ``--alias [FILE:]OLD=NEW`` renames a configuration (in one file), so
+that files of several seeds pool.
 
 ``--recall capture.pt`` prints each configuration's attention-mass recall on captured keys instead
 (offline); ``--live`` also runs each configuration on the capture's own prompt with the probe, side by side.
@@ -222,15 +225,65 @@ def run(args) -> Path:
     return out
 
 
-def table(*paths: Path) -> pd.DataFrame:
-    """Accuracy (0-100) per configuration and budget: passkey, RULER niah (mean over tasks), and the most past
-    tokens per head any budgeted layer attended on average over a step. Several files (runs of one grid split
-    over processes) are joined; a row measured twice counts once."""
-    rows = pd.DataFrame([json.loads(line) for path in paths for line in Path(path).read_text().splitlines()
-                         if line.strip()])
+def parse_aliases(specs: list[str]) -> list[tuple[str, str, str]]:
+    """``[FILE:]OLD=NEW`` -> ``(file name or "", old label, new label)`` (:func:`read_rows`)."""
+    out = []
+    for spec in specs:
+        label, sep, new = spec.rpartition("=")
+        file, colon, old = label.partition(":")
+        if not (colon and file.endswith(".jsonl")):  # no FILE: part
+            file, old = "", label
+        if not sep or not old or not new:
+            raise SystemExit(f"--alias {spec!r}: expected [FILE:]OLD=NEW")
+        out.append((file, old, new))
+    return out
+
+
+def read_rows(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
+    """The rows of several ``--out`` files (runs of one grid split over processes, or of several seeds), a row
+    measured twice counted once. ``aliases`` ``(file, old, new)`` rename a configuration in the files whose name
+    is ``file`` (every file when ``""``), so that one configuration labelled differently in two files pools, or
+    two configurations that share a label in two files (``icecache[default]`` before and after a default
+    changed) stay apart."""
+    frames = []
+    for path in map(Path, paths):
+        frame = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        frame["config"] = frame["config"].replace({old: new for file, old, new in aliases if file in ("", path.name)})
+        frames.append(frame)
+    rows = pd.concat(frames, ignore_index=True)
     rows = rows.drop_duplicates(subset=["config", "budget", "suite", "id"])
     rows["suite_name"] = rows["suite"].str.split("/").str[0]
     rows["budget"] = rows["budget"].fillna(0).astype(int)
+    return rows
+
+
+def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Per suite, configuration and budget: the score (mean over tasks of each task's mean, 0-100) on the samples
+    that full also answered, full's score on the same samples, their ratio, and its 95% paired bootstrap interval
+    (``draws`` resamples of the samples within each task, the same draw for both: the spread a sample of this size
+    leaves on the ratio)."""
+    rng = np.random.default_rng(seed)
+    full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"]
+    out = []
+    for (suite, config, budget), cell in rows[rows["config"] != "full"].groupby(["suite_name", "config", "budget"]):
+        cell = cell[cell.set_index(["suite", "id"]).index.isin(full.index)]
+        pairs = [np.stack([g["score"].to_numpy(float), full.loc[list(zip(g["suite"], g["id"]))].to_numpy(float)], 1)
+                 for _, g in cell.groupby("task")]  # per task: [n, 2] (config, full)
+        if not pairs:
+            continue
+        score, ref = np.mean([p.mean(0) for p in pairs], axis=0) * 100
+        boot = np.mean([p[rng.integers(0, len(p), (draws, len(p)))].mean(1) for p in pairs], axis=0)  # [draws, 2]
+        ratios = boot[:, 0] / np.maximum(boot[:, 1], 1e-12)
+        out.append({"suite": suite, "config": config, "budget": budget, "n": len(cell), "score": score,
+                    "full": ref, "ratio": score / ref if ref else float("nan"),
+                    "ci_low": np.percentile(ratios, 2.5), "ci_high": np.percentile(ratios, 97.5)})
+    return pd.DataFrame(out).set_index(["suite", "config", "budget"]).round(3)
+
+
+def table(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
+    """Accuracy (0-100) per configuration and budget: passkey, RULER niah (mean over tasks), and the most past
+    tokens per head any budgeted layer attended on average over a step (:func:`read_rows`)."""
+    rows = read_rows(*paths, aliases=aliases)
     per_task = rows.groupby(["config", "budget", "suite_name", "task"])["score"].mean().mul(100).reset_index()
     acc = per_task.groupby(["config", "budget", "suite_name"])["score"].mean().unstack("suite_name")
     acc["n"] = rows.groupby(["config", "budget"]).size()
@@ -349,6 +402,10 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", default=os.environ.get("ICECACHE_DATA_DIR", "../shared/data"))
     p.add_argument("--out", default=str(REPO_ROOT / "results" / "ablation" / "ablation.jsonl"))
     p.add_argument("--table", nargs="*", default=None, help="only print the table of these files (default --out)")
+    p.add_argument("--ci", action="store_true", help="with --table: also each configuration's ratio to full on the "
+                   "same samples, with a 95%% paired bootstrap interval")
+    p.add_argument("--alias", nargs="*", default=[], metavar="[FILE:]OLD=NEW",
+                   help="with --table: rename a configuration label, in the file named FILE only when given")
     p.add_argument("--recall", default=None, help="a capture file (evals.bench.capture): print the attention-mass "
                    "recall of every configuration on its keys instead of running the suites")
     p.add_argument("--probe", action="store_true", help="record each row's live attention-mass recall and needle "
@@ -366,7 +423,11 @@ def main(argv=None) -> None:
         print(frame.to_string())
         return
     if args.table is not None:
-        print(table(*map(Path, args.table or [args.out])).to_string())
+        paths = list(map(Path, args.table or [args.out]))
+        aliases = parse_aliases(args.alias)
+        print(table(*paths, aliases=aliases).to_string())
+        if args.ci:
+            print(ratio_to_full(read_rows(*paths, aliases=aliases)).to_string())
         return
     run(args)
 
