@@ -60,8 +60,8 @@ Differences from the C code, and why:
 
 - Batched layout instead of one B+-tree per node: a node's pages are a linked list of fixed
   16-slot blocks with keys stored contiguously (``[H, P, 16, d]``; fp32, or bf16 when the keys are bf16,
-  ``DCIConfig.key_storage``), so scoring a node is a dense scan. The children visited by the chunk walk always form one contiguous run of the sorted list,
-  which is scored page by page.
+  ``DCIConfig.key_storage``), so scoring a node is a dense scan. The children visited by the chunk
+  walk always form one contiguous run of the sorted list, which is scored page by page.
 - Candidates (``DCIConfig.candidate_rule``): the result is the ``K`` distinct pages in order of their best
   candidate token, as in ``dci_query``. By default (``"scored"``) every token the search scores is a
   candidate, upper levels included. The C code (``dci_query_single_point``, ``add_to_list``) keeps fewer:

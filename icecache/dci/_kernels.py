@@ -5,8 +5,9 @@ kernels as three named tuples of arrays (:class:`Pages`, :class:`Nodes`, :class:
 ``MDCIIndex`` attribute of each field is in brackets):
 
 - ``Pages``: ``keys [H, P, S, d]`` keys in page layout (a node's children are scored page by
-  page, contiguous in memory) (``page_keys``): fp32, or the raw bits of bf16 keys as uint16 (read through
-  :func:`key_f32`, exactly the fp32 value of the bf16 key, half the bytes), ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
+  page, contiguous in memory) (``page_keys``): fp32, or the raw bits of bf16 keys as uint16 (read
+  through :func:`key_f32`: exactly the fp32 value of the bf16 key, half the bytes),
+  ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
   ``proj [H, P, S]`` = ``p(k)`` (``page_proj``), ``loc [H, P, S]`` local token index (``page_loc``),
   ``abs [H, P, S]`` absolute token id, -1 = empty (``page_abs``); ``valid [H, P]`` used slots
   (``page_valid_np``), ``next [H, P]`` next page of the same parent, -1 = last (``page_next``),
@@ -35,7 +36,6 @@ from numba.extending import intrinsic
 
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
 _FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
-
 
 
 @intrinsic

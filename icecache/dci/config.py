@@ -38,7 +38,8 @@ class DCIConfig:
             ``exact_parent_threshold`` points (``src/dci.c`` anchors).
         key_storage: how the index stores its copy of the keys: ``"auto"`` (default) keeps bf16 keys in
             bf16 (their raw bits, read as fp32 by the kernels: every score is the same as with an fp32 copy,
-            at half the memory and half the bytes the search reads) and other dtypes in fp32; ``"float32"`` always stores fp32.
+            at half the memory and half the bytes the search reads) and other dtypes in fp32; ``"float32"``
+            always stores fp32.
         seed: seeds the projection direction ``u`` and random promotion.
     """
 

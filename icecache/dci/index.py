@@ -25,12 +25,12 @@ def _as_f32(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to(torch.float32).numpy())
 
 
-def _stored_keys(x: torch.Tensor, dtype: np.dtype) -> np.ndarray:
-    """``x`` in the index's key storage ``dtype``: fp32, or uint16 holding the bits of ``x`` in bf16
-    (``DCIConfig.key_storage``; ``_kernels.key_f32`` reads them back)."""
+def _stored_keys(x: torch.Tensor, x_f32: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x`` in the index's key storage ``dtype``: ``x_f32`` (``x`` in fp32, already made by the caller) for fp32,
+    or uint16 holding the bits of ``x`` in bf16 (``DCIConfig.key_storage``; ``_kernels.key_f32`` reads them back)."""
     if dtype == np.uint16:
         return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-    return _as_f32(x)
+    return x_f32
 
 
 def _grow(arr: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
@@ -127,7 +127,7 @@ class MDCIIndex:
         lifted = torch.cat([keys32, torch.from_numpy(height).unsqueeze(-1)], dim=-1)
         parent = assign_parents(lifted, torch.from_numpy(m2), level, cfg)
         proj = uk + self.u[-1] * height
-        k_stored = _stored_keys(keys, self.page_keys.dtype)
+        k_stored = _stored_keys(keys, k_np, self.page_keys.dtype)
         self._bulk_load(k_np, k_stored, uk, proj, sq, m2, token_ids, level, parent)
         return self
 
@@ -230,9 +230,8 @@ class MDCIIndex:
         abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        most = _kernels.insert(_stored_keys(keys, self.page_keys.dtype), uk, sq, parent, loc, abs_ids, self.m2,
-                               np.float32(self.u[-1]),
-                               self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
+        most = _kernels.insert(_stored_keys(keys, k_np, self.page_keys.dtype), uk, sq, parent, loc, abs_ids,
+                               self.m2, np.float32(self.u[-1]), self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
         self.n += m
         self._max_children = max(self._max_children, most * self.cfg.page_size)
         return torch.from_numpy(changed[:, : self.n_pages])
