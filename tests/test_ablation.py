@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import build_tiny
 
-from evals.bench.ablation import Prefilled, grid, icecache_config
+from evals.bench.ablation import Prefilled, grid, icecache_config, replayable
 from evals.registry import make_method
 from evals.runner import generate
 
@@ -17,6 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("icecache_reuse", {"budget": 64, "page_size": 8}),
     ("topk", {"budget": 32}),
     ("full", {}),
+    ("streaming_llm", {"budget": 32}),
+    ("quest", {"budget": 64}),
+    ("pqcache", {"budget": 64}),
+    ("omnikv", {"budget": 64}),
 ])
 def test_replayed_prefill_generates_what_a_live_prefill_generates(method, options):
     model = build_tiny("tiny-llama", 2, 4)
@@ -35,6 +39,8 @@ def test_replay_refuses_methods_with_prefill_statistics_and_other_prompts():
     prefilled = Prefilled.capture(model, ids)
     with pytest.raises(ValueError, match="statistics during prefill"):
         generate(model, None, make_method("h2o", budget=32), ids, 4, prefilled=prefilled)
+    with pytest.raises(ValueError, match="run it live"):
+        replayable("snapkv")
     with pytest.raises(ValueError, match="prompt differs"):
         generate(model, None, make_method("full"), ids[:-1], 4, prefilled=prefilled)
 
@@ -46,6 +52,9 @@ def test_grid_keeps_only_valid_cells():
     labels = [c.label for c in grid([64], merges=("interleaved",), page_sizes=(16, 8), sinks=(16, 32))]
     assert labels == ["full", "topk", "icecache[interleaved,page=16,sink=16]",
                       "icecache[interleaved,page=8,sink=16]", "icecache[interleaved,page=8,sink=32]"]
+    shipped = grid([64], merges=(), defaults=True, methods=("icecache",), baselines=("full", "quest"))
+    assert [(c.label, c.budget) for c in shipped] == [("full", None), ("topk", 64), ("icecache[default]", 64),
+                                                      ("quest[default]", 64)]
 
 
 def test_ratio_to_full_pools_seeds_and_bootstraps_paired_samples(tmp_path):

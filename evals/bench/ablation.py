@@ -126,9 +126,11 @@ def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, m
 
 
 def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",),
-         reranks=(0,), props=(0.8,), owns=(0,), defaults=False) -> list[Config]:
+         reranks=(0,), props=(0.8,), owns=(0,), defaults=False, baselines=()) -> list[Config]:
     """Full and top-k bounds, then (``defaults``) each method as shipped -- ``<method>[default]``, every
-    option left to its budget preset -- then every valid IceCache cell of the cross product (IceCache(reuse)
+    option left to its budget preset -- then each of ``baselines`` as shipped (``<name>[default]``, any
+    registered method whose prefill stores the exact K/V: :func:`replayable`), then every valid IceCache cell
+    of the cross product (IceCache(reuse)
     once per ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0;
     ``prop_to_retrieve`` once per ``props`` value, named in the label unless it is the official 0.8)."""
     cells = [Config("full", "full", None)]
@@ -136,6 +138,7 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
         cells.append(Config("topk", "topk", budget))
         if defaults:
             cells += [Config(f"{method}[default]", method, budget) for method in methods]
+        cells += [Config(f"{name}[default]", name, budget) for name in baselines if name not in ("full", "topk")]
         for method, page, sink, merge, prop in itertools.product(methods, page_sizes, sinks, merges, props):
             scoring = {} if prop == 0.8 else {"prop_to_retrieve": prop}
             extras = ([{**scoring, "rerank": r, **({"own_candidates": o} if o else {})}
@@ -145,6 +148,15 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
                 if cell is not None and cell not in cells:
                     cells.append(cell)
     return cells
+
+
+def replayable(name: str) -> str:
+    """``name`` if its method's prefill is exact attention + :meth:`KVMethod.store` (so :class:`Prefilled`
+    can replay it); else a ValueError naming the methods to run live with ``run.py`` instead."""
+    if type(make_method(name, budget=64)).prefill is not KVMethod.prefill:
+        raise ValueError(f"--baselines {name}: it computes statistics during prefill attention, so a replayed "
+                         f"prefill would change it; run it live (python run.py eval=passkey cache={name} ...)")
+    return name
 
 
 def model_max_length(name: str) -> int:
@@ -202,7 +214,7 @@ def run(args) -> Path:
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
     cells = grid(args.budgets, args.merges, args.page_sizes, args.sinks, args.methods, args.reranks, args.props,
-                 args.own_candidates, args.defaults)
+                 args.own_candidates, args.defaults, [replayable(b) for b in args.baselines])
     if args.only:
         cells = [c for c in cells if any(o == c.label or o in c.label for o in args.only)]
     done = done_keys(out)
@@ -391,6 +403,9 @@ def main(argv=None) -> None:
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
     p.add_argument("--defaults", action="store_true",
                    help="add each method as shipped (<method>[default]: every option from its budget preset)")
+    p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD",
+                   help="add these registered methods as shipped (<method>[default]); only methods whose prefill "
+                   "is exact attention (not h2o, snapkv, magicpig, arkvale: run those live with run.py)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
