@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_matches_full, build_tiny, generate_with
 
-from baselines.h2o import H2O, aggregate_group, attention_column_sums
+from baselines.h2o import H2O, aggregate_group, attention_with_column_sums
 from baselines.snapkv import SnapKV, pool_votes, window_votes
 from evals.registry import make_method
 from icecache.kv import BudgetError, ModelSpec
@@ -84,13 +84,15 @@ def test_invalid_budgets_are_clear_errors():
 
 # --------------------------------------------------------------------------- H2O
 @pytest.mark.parametrize("n_kv,n_q,chunk", [(1, 4, 5), (2, 4, 7), (4, 4, 64)])
-def test_h2o_chunked_column_sums_equal_eager_softmax(n_kv, n_q, chunk):
+def test_h2o_chunked_attention_and_column_sums_equal_eager_softmax(n_kv, n_q, chunk):
     torch.manual_seed(0)
     n, d = 23, 8
-    q, k = torch.randn(n_q, n, d), torch.randn(n_kv, n, d)
+    q, k, v = torch.randn(n_q, n, d), torch.randn(n_kv, n, d), torch.randn(n_kv, n, d)
     logits = torch.einsum("hid,hjd->hij", q, k.repeat_interleave(n_q // n_kv, 0)) * 0.3
-    eager = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1).sum(1)
-    torch.testing.assert_close(attention_column_sums(q, k, 0.3, chunk), eager)
+    probs = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    out, sums = attention_with_column_sums(q, k, v, 0.3, chunk)
+    torch.testing.assert_close(sums, probs.sum(1))
+    torch.testing.assert_close(out, probs @ v.repeat_interleave(n_q // n_kv, 0))
 
 
 def planted_inputs(n_q: int, n: int, head0_tokens: list[int], head1_tokens: list[int]):
