@@ -56,11 +56,21 @@ WEIGHT_FLOOR = 1e-4  # sparse_attention/sparse_attention.cc transform_kernel: sc
 
 
 # ---------------------------------------------------------------------------------------- SimHash
-def simhash(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+def simhash(x: torch.Tensor, proj: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Codes ``[..., L]`` (int64): table ``l``'s code is the ``K``-bit sign pattern of ``x . proj[:, l]``;
-    ``x: [..., d]``, ``proj: [d, L, K]``."""
-    bits = torch.einsum("...d,dlk->...lk", x.float(), proj.float()) > 0
-    return (bits.long() << torch.arange(proj.shape[-1], device=x.device)).sum(-1)
+    ``x: [..., d]``, ``proj: [d, L, K]``. ``chunk`` vectors at a time, so the ``L x K`` sign bits of a chunk
+    stay small (one layer's 8k keys at L = 150, K = 10 in one piece: 2.3 s on one CPU thread, in chunks of
+    256: 0.2 s, the same codes)."""
+    d, n_tables, n_bits = proj.shape
+    flat = proj.float().reshape(d, n_tables * n_bits)
+    weights = 1 << torch.arange(n_bits, device=x.device)
+    rows = x.reshape(-1, d)
+    codes = torch.empty(rows.shape[0], n_tables, dtype=torch.int64, device=x.device)
+    for start in range(0, rows.shape[0], chunk):
+        part = rows[start:start + chunk]
+        bits = torch.matmul(part.float(), flat).gt_(0).view(part.shape[0], n_tables, n_bits)
+        codes[start:start + chunk] = (bits.long() * weights).sum(-1)
+    return codes.view(*x.shape[:-1], n_tables)
 
 
 def collision_probability(cos: torch.Tensor, n_bits: int) -> torch.Tensor:

@@ -280,6 +280,16 @@ def test_simhash_collision_rate_matches_theory():
     assert float(mp.inclusion_probability(torch.tensor(1.0), 150, 2)) == 1.0
 
 
+def test_simhash_codes_are_the_sign_bits_of_each_table_in_any_chunking():
+    g = torch.Generator().manual_seed(0)
+    x, proj = torch.randn(2, 37, 16, generator=g), torch.randn(16, 5, 6, generator=g)
+    signs = torch.einsum("hnd,dlk->hnlk", x, proj) > 0
+    plain = sum(signs[..., b].long() * 2 ** b for b in range(6))  # [2, 37, 5]
+    for chunk in (1, 7, 256):
+        assert torch.equal(mp.simhash(x, proj, chunk=chunk), plain)
+    assert torch.equal(mp.simhash(x[0, 0], proj), plain[0, 0])  # a single vector keeps its shape [L]
+
+
 def test_bucket_lookup_equals_brute_force_collision_count():
     g = torch.Generator().manual_seed(0)
     h_kv, group, n, d = 2, 3, 300, 16
