@@ -151,8 +151,7 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
 
 
 def replayable(name: str) -> str:
-    """``name`` if its method's prefill is exact attention + :meth:`KVMethod.store` (so :class:`Prefilled`
-    can replay it); else a ValueError naming the methods to run live with ``run.py`` instead."""
+    """``name`` if its prefill is exact attention + :meth:`KVMethod.store` (:class:`Prefilled` replays it), else a ValueError."""
     if type(make_method(name, budget=64)).prefill is not KVMethod.prefill:
         raise ValueError(f"--baselines {name}: it computes statistics during prefill attention, so a replayed "
                          f"prefill would change it; run it live (python run.py eval=passkey cache={name} ...)")
@@ -403,9 +402,8 @@ def main(argv=None) -> None:
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
     p.add_argument("--defaults", action="store_true",
                    help="add each method as shipped (<method>[default]: every option from its budget preset)")
-    p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD",
-                   help="add these registered methods as shipped (<method>[default]); only methods whose prefill "
-                   "is exact attention (not h2o, snapkv, magicpig, arkvale: run those live with run.py)")
+    p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD", help="add these methods as shipped "
+                   "(<method>[default]); only exact-attention prefills (not h2o, snapkv, magicpig, arkvale)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
