@@ -22,6 +22,17 @@ A cell that fails is recorded with its error and the run goes on. The file is re
 cell; ``--resume`` keeps the finished cells of ``--out`` (same model, budget and number of new tokens)
 and measures the missing or failed ones, so a long run can be extended.
 
+OpenMP waiting (``--omp-wait``, CPU): torch and numba each keep an OpenMP pool, and IceCache runs numba's
+parallel search between torch's ops. With libgomp's default (idle threads spin ~300k iterations before they
+sleep) the two pools' spinning threads can starve each other on a small machine, so the harness sets
+``OMP_WAIT_POLICY=PASSIVE`` (run.py). Passive threads sleep at once, and every parallel region then pays a
+wake-up (65 us per region here): it cost full's decode 14 ms per token at 4k on SmolLM2 (52 -> 36-39 ms
+with the default spin, "AMD EPYC", 2 threads, docs/benchmarks.md). So by default (``per-method``) each cell
+waits the way that suits its method: passive for the methods that run numba kernels (:data:`JIT_METHODS`),
+libgomp's default spin (``GOMP_SPINCOUNT=300000``, which overrides the policy) for the others;
+``passive`` / ``spin`` / ``active`` (never sleep) apply one rule to every cell (``--in-process``: the process's own). Each cell records
+its setting (``omp_wait``).
+
 On CUDA the breakdown comes from CUDA events (no added syncs); ``--profile`` synchronises around every
 phase instead, for exact host-side attribution.
 
@@ -58,6 +69,9 @@ JIT_METHODS = ("icecache", "icecache_reuse")  # numba kernels (icecache/dci, ice
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
+OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # what each --omp-wait rule puts in a cell's environment
+            "spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"},  # libgomp's default spin
+            "active": {"OMP_WAIT_POLICY": "ACTIVE"}}  # idle threads never sleep
 
 
 def llama_8b_random(device: str):
@@ -95,6 +109,8 @@ def parse_args(argv):
                         help="measure every cell in this process (default: one fresh process per cell)")
     parser.add_argument("--isolate", dest="isolate", action="store_true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out")
+    parser.add_argument("--omp-wait", choices=("per-method", *OMP_WAIT), default="per-method",
+                        help="how idle OpenMP threads wait in each cell (module docstring)")
     parser.add_argument("--cell", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -119,8 +135,22 @@ def run_cell(args) -> None:
     row = measure(model, tokenizer, method, args.budget, prompts(tokenizer, args, [length])[length], args.new_tokens,
                   args.profile)
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row["omp_wait"] = omp_wait_record()
     row["environment"] = {**environment(model), "model": args.model}
     print(json.dumps(row))
+
+
+def omp_wait_env(rule: str, method: str) -> dict[str, str]:
+    """The environment a cell of ``method`` runs under for the ``--omp-wait`` rule (module docstring)."""
+    if rule == "per-method":
+        rule = "passive" if method in JIT_METHODS else "spin"
+    return OMP_WAIT[rule]
+
+
+def omp_wait_record() -> str:
+    """How this process's idle OpenMP threads wait: ``passive``, or ``spin N`` when GOMP_SPINCOUNT sets it."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return f"spin {spin}" if spin else os.environ.get("OMP_WAIT_POLICY", "default").lower()
 
 
 def isolated_cell(args, method: str, length: int) -> dict:
@@ -128,7 +158,8 @@ def isolated_cell(args, method: str, length: int) -> dict:
            "--new-tokens", str(args.new_tokens), "--model", args.model, "--device", args.device,
            "--data-dir", args.data_dir, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads
                                                                   else []) + (["--profile"] if args.profile else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **omp_wait_env(args.omp_wait, method)})
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -203,7 +234,8 @@ def print_cell(method: str, length: int, row: dict) -> None:
         return
     rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
     print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row[TPOT]:.2f} ms  " +
-          " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss, flush=True)
+          " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss +
+          (f"  omp {row['omp_wait']}" if "omp_wait" in row else ""), flush=True)
 
 
 def method_rows(results: dict) -> dict:
