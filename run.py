@@ -12,16 +12,15 @@ from __future__ import annotations
 import os
 import sys
 
-# torch's and numba's OpenMP pools spin against each other when both are busy (IceCache's index runs
-# numba kernels beside torch): passive waiting measured 8k index build 519 ms -> 37 ms on 2 cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import hydra  # noqa: E402
+# OpenMP threads wait libgomp's default way (spin ~300k iterations, then sleep): passive waiting made every
+# parallel op of a decode step pay a thread wake-up (full at 4k on SmolLM2: 36-39 -> 52 ms per token,
+# docs/benchmarks.md). On a machine shared with other busy processes set OMP_WAIT_POLICY=PASSIVE yourself.
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf
 
-from evals.configs import register  # noqa: E402
+from evals.configs import register
 
 register()  # the cache/<method> and eval/<suite> groups, generated from the dataclasses
 

@@ -6,11 +6,8 @@ side by side in one process (interleaved repeats, medians), for the ``model.dtyp
 """
 from __future__ import annotations
 
+import argparse
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
 import json
 import statistics
 import sys

@@ -23,7 +23,7 @@ def test_isolated_cells_record_peak_rss_and_resume_skips_finished_cells(tmp_path
     assert row["peak_rss_bytes"] > 50 * 2**20 and row["tpot_s"] > 0 and row["tt2t_s"] >= row["ttft_s"]
     assert set(row["breakdown"]) == {"select", "transfer", "attention", "update", "other"}
     assert first["environment"]["isolate"] and first["environment"]["threads"] == 1
-    assert row["omp_wait"] == "spin 300000"  # full runs no numba kernel: libgomp's default spin (per-method rule)
+    assert row["omp_wait"] == "spin 300000"  # libgomp's default spin, set explicitly in the cell
     capsys.readouterr()
     second = bench(out, "--methods", "full", "streaming_llm", "--isolate", "--resume")
     printed = capsys.readouterr().out
@@ -40,13 +40,10 @@ def test_in_process_run_writes_every_method(tmp_path):
     assert "peak_rss_bytes" not in result["icecache"]["200"]
 
 
-def test_omp_wait_rules_put_numba_methods_on_passive_threads_and_the_others_on_the_default_spin():
-    assert decode.omp_wait_env("per-method", "icecache") == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert decode.omp_wait_env("per-method", "icecache_reuse") == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert decode.omp_wait_env("per-method", "full")["GOMP_SPINCOUNT"] == "300000"
-    assert decode.omp_wait_env("passive", "full") == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert decode.omp_wait_env("spin", "icecache")["GOMP_SPINCOUNT"] == "300000"
-    assert decode.parse_args([]).omp_wait == "per-method"
+def test_every_cell_waits_by_one_rule_libgomps_default_spin_unless_asked():
+    assert decode.parse_args([]).omp_wait == "spin"
+    assert decode.OMP_WAIT["spin"] == {"GOMP_SPINCOUNT": "300000"}
+    assert decode.OMP_WAIT["passive"] == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_defaults_cover_every_method_in_fresh_processes():

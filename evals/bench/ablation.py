@@ -25,11 +25,8 @@ that files of several seeds pool.
 """
 from __future__ import annotations
 
+import argparse
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see run.py
-
-import argparse  # noqa: E402
 import itertools
 import json
 import platform

@@ -22,16 +22,14 @@ A cell that fails is recorded with its error and the run goes on. The file is re
 cell; ``--resume`` keeps the finished cells of ``--out`` (same model, budget and number of new tokens)
 and measures the missing or failed ones, so a long run can be extended.
 
-OpenMP waiting (``--omp-wait``, CPU): torch and numba each keep an OpenMP pool, and IceCache runs numba's
-parallel search between torch's ops. With libgomp's default (idle threads spin ~300k iterations before they
-sleep) the two pools' spinning threads can starve each other on a small machine, so the harness sets
-``OMP_WAIT_POLICY=PASSIVE`` (run.py). Passive threads sleep at once, and every parallel region then pays a
-wake-up (65 us per region here): it cost full's decode 14 ms per token at 4k on SmolLM2 (52 -> 36-39 ms
-with the default spin, "AMD EPYC", 2 threads, docs/benchmarks.md). So by default (``per-method``) each cell
-waits the way that suits its method: passive for the methods that run numba kernels (:data:`JIT_METHODS`),
-libgomp's default spin (``GOMP_SPINCOUNT=300000``, which overrides the policy) for the others;
-``passive`` / ``spin`` / ``active`` (never sleep) apply one rule to every cell (``--in-process``: the process's own). Each cell records
-its setting (``omp_wait``).
+OpenMP waiting (``--omp-wait``, CPU; recorded per cell as ``omp_wait``): ``spin`` (default) is libgomp's own
+default, idle threads spin ~300k iterations before they sleep (``GOMP_SPINCOUNT=300000``, set explicitly so an
+inherited ``OMP_WAIT_POLICY`` does not change it); ``passive`` makes them sleep at once, so every parallel region
+pays a thread wake-up (~65 us here: full's decode at 4k went 36-39 -> 52 ms per token on SmolLM2, "AMD EPYC",
+2 threads); ``active`` never sleeps. Every method runs under the same rule. Earlier tables ran IceCache passive
+because its decode looked no faster spinning: the prefill's background worker thread outlived the prefill, and
+libgomp, counting its OpenMP team beside the main one (more threads than cores), cut every team's spin to 1000
+iterations. The worker now exits once its last job is awaited (``KVMethod.await_background``).
 
 On CUDA the breakdown comes from CUDA events (no added syncs); ``--profile`` synchronises around every
 phase instead, for exact host-side attribution.
@@ -41,11 +39,8 @@ trained weights) for GPU machines: see ``scripts/gpu_bench.sh``.
 """
 from __future__ import annotations
 
+import argparse
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see run.py
-
-import argparse  # noqa: E402
 import json
 import resource
 import subprocess
@@ -69,8 +64,8 @@ JIT_METHODS = ("icecache", "icecache_reuse")  # numba kernels (icecache/dci, ice
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
-OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # what each --omp-wait rule puts in a cell's environment
-            "spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"},  # libgomp's default spin
+OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # what each --omp-wait rule puts in a cell's environment
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # libgomp's default spin above; idle threads sleep at once
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}  # idle threads never sleep
 
 
@@ -109,7 +104,7 @@ def parse_args(argv):
                         help="measure every cell in this process (default: one fresh process per cell)")
     parser.add_argument("--isolate", dest="isolate", action="store_true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out")
-    parser.add_argument("--omp-wait", choices=("per-method", *OMP_WAIT), default="per-method",
+    parser.add_argument("--omp-wait", choices=tuple(OMP_WAIT), default="spin",
                         help="how idle OpenMP threads wait in each cell (module docstring)")
     parser.add_argument("--cell", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -140,13 +135,6 @@ def run_cell(args) -> None:
     print(json.dumps(row))
 
 
-def omp_wait_env(rule: str, method: str) -> dict[str, str]:
-    """The environment a cell of ``method`` runs under for the ``--omp-wait`` rule (module docstring)."""
-    if rule == "per-method":
-        rule = "passive" if method in JIT_METHODS else "spin"
-    return OMP_WAIT[rule]
-
-
 def omp_wait_record() -> str:
     """How this process's idle OpenMP threads wait: ``passive``, or ``spin N`` when GOMP_SPINCOUNT sets it."""
     spin = os.environ.get("GOMP_SPINCOUNT")
@@ -159,7 +147,7 @@ def isolated_cell(args, method: str, length: int) -> dict:
            "--data-dir", args.data_dir, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads
                                                                   else []) + (["--profile"] if args.profile else [])
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **omp_wait_env(args.omp_wait, method)})
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **OMP_WAIT[args.omp_wait]})
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -154,6 +154,7 @@ class KVMethod:
     example_budget: ClassVar[int] = 64  # suggested in the error when no budget is given
     spec: ModelSpec | None = field(default=None, init=False, repr=False)
     _executor: Any = field(default=None, init=False, repr=False)
+    _outstanding: int = field(default=0, init=False, repr=False)  # background jobs submitted, not yet awaited
     layer_states: dict = field(default_factory=dict, init=False, repr=False)  # layer -> its state (new_state)
     probe: Any = field(default=None, init=False, repr=False)  # diagnostics=recall (icecache.kv.recall.RecallProbe)
 
@@ -228,12 +229,24 @@ class KVMethod:
         """Runs ``fn(*args)`` on the method's single background worker (the prefill pipeline)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        self._outstanding += 1
         st.pending = self._executor.submit(fn, *args)
 
     def await_background(self, st: LayerState) -> None:
-        if st.pending is not None:
-            pending, st.pending = st.pending, None
+        """Waits for ``st``'s background job. When it was the last one outstanding the worker thread exits
+        (:meth:`close`; the next submit starts a new one): a thread that ran parallel torch or numba work keeps
+        an OpenMP team of its own while it lives, and libgomp then counts more threads than cores and cuts
+        every team's spin-wait to a few microseconds, so each parallel op of the decode paid a thread wake-up
+        (``icecache.openmp``)."""
+        if st.pending is None:
+            return
+        pending, st.pending = st.pending, None
+        try:
             pending.result()
+        finally:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self.close()
 
     def close(self) -> None:
         if self._executor is not None:
