@@ -94,15 +94,15 @@ def kmeans(x: torch.Tensor, n_centroids: int, iters: int, generator: torch.Gener
 
 def lookup_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Approximate logits ``[H_q, n]`` (unscaled ``q . k_hat``) from PQ lookup tables.
-
-    ``q: [H_q, d]``, ``centroids: [H_kv, m, C, d/m]``, ``codes: [H_kv, n, m]``."""
-    h_q, group = q.shape[0], q.shape[0] // centroids.shape[0]
-    m = centroids.shape[1]
-    q_sub = q.float().reshape(h_q, m, -1)  # [H_q, m, ds]
-    cents = centroids.float().repeat_interleave(group, 0)  # [H_q, m, C, ds]
-    tables = torch.einsum("hsd,hscd->hsc", q_sub, cents)  # [H_q, m, C]
-    idx = codes.repeat_interleave(group, 0).permute(0, 2, 1)  # [H_q, m, n]
-    return tables.gather(2, idx).sum(1)
+    ``q: [H_q, d]``, ``centroids: [H_kv, m, C, d/m]``, ``codes: [H_kv, n, m]``. One gather per subspace reads
+    each KV head's codes through a view expanded over its GQA group (no per-query-head copy of the codes)."""
+    h_kv, m, _, ds = centroids.shape
+    group = q.shape[0] // h_kv
+    tables = torch.einsum("hgsd,hscd->hgsc", q.float().reshape(h_kv, group, m, ds), centroids.float())
+    scores = tables[:, :, 0].gather(2, codes[:, None, :, 0].expand(-1, group, -1))  # [H_kv, G, n]
+    for s in range(1, m):
+        scores += tables[:, :, s].gather(2, codes[:, None, :, s].expand(-1, group, -1))
+    return scores.view(h_kv * group, -1)
 
 
 def group_topk(scores: torch.Tensor, scaling: float, n_kv_heads: int, k: int) -> torch.Tensor:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
+from icecache.dci import THREADING_LAYER, threads
 from icecache.dci.gqa import find
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,18 +77,20 @@ def _positions(page_abs, heads, pages, slots, n, slot_tokens, out):
             slot_tokens[heads[i], slots[i], j] = pos
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slots, n, offset, k_dst, v_dst):
     """Copies the store rows of ``positions [n, s]`` (absolute, -1 = empty slot: reads the head's first row,
     masked later) of KV heads ``heads`` into slots ``slots`` of the buffer (region starting at ``offset``).
-    Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``."""
+    Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``.
+    The copy runs in parallel over the loaded pages: the rows of a page are scattered over the store, so the
+    copy waits on memory, and two threads halved it (28 layers at 32k tokens: 3.7-3.9 -> 1.6-1.7 ms per token)."""
     s = positions.shape[1]
     for i in range(n):
         for j in range(s):
             pos = positions[i, j]
             if pos >= 0 and (pos < first_pos or pos >= end_pos):
                 return False
-    for i in range(n):
+    for i in prange(n):
         h = heads[i]
         for j in range(s):
             row = max(positions[i, j] - base_pos, 0)
@@ -95,6 +98,9 @@ def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slo
             k_dst[h, dst, :] = k_src[h, row, :]
             v_dst[h, dst, :] = v_src[h, row, :]
     return True
+
+
+_load_host = threads.guarded(_load_host, THREADING_LAYER)  # serialised under numba's workqueue layer
 
 
 @njit(cache=True, nogil=True)
