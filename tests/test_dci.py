@@ -430,6 +430,23 @@ def test_group_search_equals_one_search_per_query_head(group, chunk):
 
 
 @pytest.mark.parametrize("rule", ["scored", "official"])
+def test_search_is_the_same_whatever_the_threads_share_of_query_heads(monkeypatch, rule):
+    """Each thread searches an equal share of the query heads, cut inside a KV head's group when the heads do
+    not divide evenly (3 KV heads x 3 on 2 threads: 5 + 4): pages and scores must not depend on the cut."""
+    import numba
+
+    keys = _keys(3, 1200, seed=8)
+    index = MDCIIndex.build(keys, torch.arange(1200), DCIConfig(ratio_1=0.03, candidate_rule=rule))
+    q = torch.randn(9, D, generator=torch.Generator().manual_seed(9))
+    results = []
+    for threads in (1, 2, 4, 9, 20):
+        monkeypatch.setattr(numba, "get_num_threads", lambda t=threads: t)
+        results.append(index.search_scored(q, 3, 8))
+    for pages, scores in results[1:]:
+        assert torch.equal(pages, results[0][0]) and torch.equal(scores, results[0][1])
+
+
+@pytest.mark.parametrize("rule", ["scored", "official"])
 @pytest.mark.parametrize("ratio_1, k_pages", [(0.02, 3), (0.05, 1), (0.1, 6)])
 def test_search_equals_the_tree_reference_under_both_candidate_rules(rule, ratio_1, k_pages):
     """Every child of an expanded node scored (prop 1): the kernel's ranked pages equal a plain search over

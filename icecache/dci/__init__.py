@@ -49,7 +49,7 @@ scored in full, and ``prop_to_retrieve`` only matters for larger nodes. ``visit_
 first port's rule (exactly ``ceil(0.8 c)`` children); on the captured SmolLM2 keys it lowers the
 recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md.
 
-Threads: ``search`` runs in parallel over query heads (numba ``prange``; ``numba.set_num_threads``),
+Threads: ``search`` runs in parallel over shares of the query heads (numba ``prange``; ``numba.set_num_threads``),
 ``bulk_load`` over KV heads, the dense parent searches in torch (``torch.set_num_threads``). Both use
 OpenMP; the numba threading layer is pinned to a thread-safe one (``threads.py``: the search and
 the background build run parallel regions concurrently). On a machine shared with other processes

@@ -479,8 +479,8 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, official, pages, nodes,
-           out, out_scores):
-    """Top-down page search of every query head (``dci_query``), in parallel over KV heads; writes
+           out, out_scores, n_threads):
+    """Top-down page search of every query head (``dci_query``), in parallel on ``n_threads`` threads; writes
     ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
     padded), ``C >= k_pages``.
 
@@ -493,7 +493,10 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
     of the default's candidates). ``n_upper`` bounds the
     number of upper-level (level >= 1) tokens, ``max_children`` the children of one node. The ``group``
     query heads of a KV head search together (:func:`_search_group`): same pages and scores as one search
-    per query head, with the level-0 keys read once per group.
+    per query head, with the level-0 keys read once per group. Each thread takes an equal share of the query
+    heads, cut at query heads rather than KV heads (SmolLM2's 3 KV heads on 2 threads: 5 and 4 query heads
+    instead of 2 KV heads and 1; the split KV head's level-0 keys are read by both threads). 28 layers at 32k
+    tokens: 17.9-19.6 -> 16.2-18.9 ms per token (alternated runs, "AMD EPYC", 2 threads).
     """
     n_q, d = queries.shape
     qv = np.empty((n_q, d), dtype=np.float32)
@@ -506,10 +509,15 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
             norm += qv[qh, j] * qv[qh, j]
             qp += u[j] * qv[qh, j]
         qps[qh] = qp / max(math.sqrt(norm), 1e-30)
-    for h in prange(n_q // group):
-        q0 = h * group
-        _search_group(qv[q0:q0 + group], qps[q0:q0 + group], h, k_pages, fov, prop, chunk, top_level,
-                      n_upper, max_children, official, pages, nodes, out[q0:q0 + group], out_scores[q0:q0 + group])
+    n_threads = max(1, min(n_threads, n_q))
+    for t in prange(n_threads):  # one share of the query heads per thread, cut at the query head, not the KV head
+        q0, end = t * n_q // n_threads, (t + 1) * n_q // n_threads
+        while q0 < end:  # the share's pieces of consecutive KV heads, in turn
+            h = q0 // group
+            q1 = min(end, (h + 1) * group)
+            _search_group(qv[q0:q1], qps[q0:q1], h, k_pages, fov, prop, chunk, top_level, n_upper, max_children,
+                          official, pages, nodes, out[q0:q1], out_scores[q0:q1])
+            q0 = q1
 
 
 # ----------------------------------------------------------------------------- insert (``dci_add``)

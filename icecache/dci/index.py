@@ -10,6 +10,7 @@ over heads), parent search at insert in numpy (one small matmul per head, no tor
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -206,7 +207,8 @@ class MDCIIndex:
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
                         self.cfg.visit_chunk, self.top_level, self.n_upper, self._max_children,
-                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores)
+                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores,
+                        numba.get_num_threads())
         return torch.from_numpy(out), torch.from_numpy(scores)
 
     # ------------------------------------------------------------------------- insert
