@@ -90,7 +90,16 @@ def _machine() -> dict:
     import transformers
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count()}
+            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count(),
+            "omp_wait": omp_wait_record()}
+
+
+def omp_wait_record() -> str:
+    """How this process's idle OpenMP threads wait (read by libgomp at start-up): ``spin N`` when
+    ``GOMP_SPINCOUNT`` sets it, else ``OMP_WAIT_POLICY`` lower-cased, or ``default`` (libgomp's ~300k-iteration
+    spin, then sleep). Passive waiting costs every parallel op a thread wake-up (docs/benchmarks.md)."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return f"spin {spin}" if spin else os.environ.get("OMP_WAIT_POLICY", "default").lower()
 
 
 def run_environment(cfg: dict) -> dict:

@@ -74,3 +74,14 @@ def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
     decode.print_summary(results, 4096, 32768)
     printed = capsys.readouterr().out
     assert "+28.00  3.33x" in printed and "growth from 4096 to 32768" in printed
+
+
+def test_omp_wait_record_names_how_idle_threads_wait(monkeypatch):
+    from evals.timing import omp_wait_record
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert omp_wait_record() == "default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert omp_wait_record() == "passive"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # overrides the policy in libgomp
+    assert omp_wait_record() == "spin 300000"

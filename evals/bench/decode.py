@@ -53,7 +53,7 @@ from evals.harness import REPO_ROOT
 from evals.latency import Latency
 from evals.registry import METHODS, make_method
 from evals.runner import generate
-from evals.timing import environment, tpot_stats
+from evals.timing import environment, omp_wait_record, tpot_stats
 from icecache.hardware import cpu_info
 from icecache.kv.timing import PHASES
 from icecache.models import load_model, load_tokenizer, resolve_dtype, tiny_config
@@ -133,12 +133,6 @@ def run_cell(args) -> None:
     row["omp_wait"] = omp_wait_record()
     row["environment"] = {**environment(model), "model": args.model}
     print(json.dumps(row))
-
-
-def omp_wait_record() -> str:
-    """How this process's idle OpenMP threads wait: ``passive``, or ``spin N`` when GOMP_SPINCOUNT sets it."""
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    return f"spin {spin}" if spin else os.environ.get("OMP_WAIT_POLICY", "default").lower()
 
 
 def isolated_cell(args, method: str, length: int) -> dict:
