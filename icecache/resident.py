@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
-from icecache.dci import THREADING_LAYER, threads
 from icecache.dci.gqa import find
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,20 +76,21 @@ def _positions(page_abs, heads, pages, slots, n, slot_tokens, out):
             slot_tokens[heads[i], slots[i], j] = pos
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True)
 def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slots, n, offset, k_dst, v_dst):
     """Copies the store rows of ``positions [n, s]`` (absolute, -1 = empty slot: reads the head's first row,
     masked later) of KV heads ``heads`` into slots ``slots`` of the buffer (region starting at ``offset``).
     Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``.
-    The copy runs in parallel over the loaded pages: the rows of a page are scattered over the store, so the
-    copy waits on memory, and two threads halved it (28 layers at 32k tokens: 3.7-3.9 -> 1.6-1.7 ms per token)."""
+    Serial on purpose: a parallel copy halved it without the model (32k, 28 layers: 3.7-3.9 -> 1.6-1.7 ms per
+    token), but in the decode benchmark IceCache's 32k TPOT was 101.0 / 103.8 ms with it and 81.4 without (numba's
+    spinning pool worker competes with torch's ops after a second parallel region per layer; docs/benchmarks.md)."""
     s = positions.shape[1]
     for i in range(n):
         for j in range(s):
             pos = positions[i, j]
             if pos >= 0 and (pos < first_pos or pos >= end_pos):
                 return False
-    for i in prange(n):
+    for i in range(n):
         h = heads[i]
         for j in range(s):
             row = max(positions[i, j] - base_pos, 0)
@@ -98,9 +98,6 @@ def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slo
             k_dst[h, dst, :] = k_src[h, row, :]
             v_dst[h, dst, :] = v_src[h, row, :]
     return True
-
-
-_load_host = threads.guarded(_load_host, THREADING_LAYER)  # serialised under numba's workqueue layer
 
 
 @njit(cache=True, nogil=True)
