@@ -64,8 +64,8 @@ JIT_METHODS = ("icecache", "icecache_reuse")  # numba kernels (icecache/dci, ice
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
-OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # what each --omp-wait rule puts in a cell's environment
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # libgomp's default spin above; idle threads sleep at once
+OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin; what each rule puts in a cell's environment
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle threads sleep at once
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}  # idle threads never sleep
 
 

@@ -66,18 +66,13 @@ def serialised(kernel):
     return locked
 
 
-def guarded(kernel, layer: str):
-    """The parallel ``kernel`` as it may run under ``layer``: serialised under ``workqueue``, else itself."""
-    return serialised(kernel) if layer == "workqueue" else kernel
-
-
 def install(kernels, available: list[str] | None = None) -> str:
     """Pins the layer and, under ``workqueue``, replaces the parallel kernels of the module ``kernels`` by
-    serialised wrappers (callers reach them as ``_kernels.<name>``). Returns the layer asked for. Parallel
-    kernels elsewhere (``icecache/resident.py``'s ``_load_host``) wrap themselves with :func:`guarded`."""
+    serialised wrappers (callers reach them as ``_kernels.<name>``). Returns the layer asked for."""
     layer = pin_threading_layer(available)
-    for name in PARALLEL_KERNELS:
-        setattr(kernels, name, guarded(getattr(kernels, name), layer))
+    if layer == "workqueue":
+        for name in PARALLEL_KERNELS:
+            setattr(kernels, name, serialised(getattr(kernels, name)))
     return layer
 
 
