@@ -35,25 +35,28 @@ from icecache.kv.per_head import (GROUP_AGGREGATIONS, PerHeadState, aggregate_gr
 def attention_with_column_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention ``[H_q, n, d]`` (in ``q``'s dtype) and, for each key ``j``, the sum over queries
-    ``i >= j`` of the causal softmax ``a_{h,i,j}`` (``[H_q, n]`` fp32), from one fp32 softmax per chunk of
-    ``chunk_size`` queries, as the official eager attention computes ``attn_weights`` once for both the output
-    and the scores (memory ``H_q x chunk_size x n``; the GQA group shares one matmul with its KV head, so keys
-    and values are never repeated per query head). Computing the output separately (sdpa) would compute
-    ``q.k`` twice: at 8k tokens, one layer on one thread, sdpa + column sums took 4.8 s, this 2.8 s."""
+    ``i >= j`` of the causal softmax ``a_{h,i,j}`` (``[H_q, n]`` fp32), from one softmax per chunk of
+    ``chunk_size`` queries, as the official eager attention (``h2o_hf/utils_real_drop/modify_llama.py``)
+    computes ``attn_weights`` once for both the output and the scores: ``q.k`` and ``a.v`` in the model's
+    dtype, the softmax in fp32 (``softmax(..., dtype=float32)``); the column sums are accumulated from the
+    fp32 probabilities (the official code sums them after the cast back to fp16). Memory ``H_q x chunk_size x
+    n``; the GQA group shares one matmul with its KV head, so keys and values are never repeated per query
+    head. Computing the output separately (sdpa) would compute ``q.k`` twice: at 8k tokens, one layer on one
+    thread, sdpa + column sums took 4.8 s, this 2.8 s (fp32 matmuls then; see ``H2O.chunk_size``)."""
     (n_q, n, d), n_kv = q.shape, k.shape[0]
-    queries, keys, values = q.float().view(n_kv, -1, n, d), k.float(), v.float()
+    queries = q.view(n_kv, -1, n, d)
     sums = torch.zeros(n_q, n, dtype=torch.float32, device=q.device)
     out = torch.empty(n_q, n, v.shape[-1], dtype=q.dtype, device=q.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         chunk = end - start
-        logits = torch.matmul(queries[:, :, start:end].reshape(n_kv, -1, d), keys[:, :end].transpose(1, 2))
-        probs = logits.mul_(scaling).view(n_q, chunk, end)
+        logits = torch.matmul(queries[:, :, start:end].reshape(n_kv, -1, d), k[:, :end].transpose(1, 2))
+        logits = logits.view(n_q, chunk, end)
         future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu_(1)
-        probs[:, :, start:].masked_fill_(future, float("-inf"))
-        torch.softmax(probs, -1, out=probs)
+        logits[:, :, start:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(logits.mul_(scaling), -1, dtype=torch.float32)
         sums[:, :end] += probs.sum(1)
-        out[:, start:end] = torch.matmul(probs.view(n_kv, -1, end), values[:, :end]).view(n_q, chunk, -1)
+        out[:, start:end] = torch.matmul(probs.to(v.dtype).view(n_kv, -1, end), v[:, :end]).view(n_q, chunk, -1)
     return out, sums
 
 
@@ -66,13 +69,14 @@ class H2O(KVMethod):
         heavy_ratio: share of the budget for heavy hitters (paper: 1:1 heavy:recent, so 0.5);
             heavy = floor(heavy_ratio * budget), recent = budget - heavy.
         group_agg: how the G query heads of a KV head combine their scores: mean (kvpress), sum, max.
-        chunk_size: queries per chunk of the prefill attention (128: fastest of 128/256/512 at 8k on one CPU
-            thread, 2.8 / 3.0 / 3.5 s per layer).
+        chunk_size: queries per chunk of the prefill attention (64: fastest of 32/64/128 at 8k, one SmolLM2
+            layer in bf16 on 2 threads, "AMD EPYC" with AVX512-BF16: 0.437 / 0.418 / 0.677 s, sdpa 0.547 s;
+            at 16k 3.17 s against sdpa's 2.18 s, docs/benchmarks.md).
     """
 
     heavy_ratio: float = 0.5
     group_agg: str = "mean"
-    chunk_size: int = 128
+    chunk_size: int = 64
     name: ClassVar[str] = "h2o"
 
     def validate(self) -> None:

@@ -95,6 +95,19 @@ def test_h2o_chunked_attention_and_column_sums_equal_eager_softmax(n_kv, n_q, ch
     torch.testing.assert_close(out, probs @ v.repeat_interleave(n_q // n_kv, 0))
 
 
+def test_h2o_column_sums_in_bf16_follow_the_fp32_softmax():
+    """bf16 inputs (the official eager path: q.k and a.v in the model dtype, softmax in fp32): the output stays
+    bf16 and both it and the fp32 column sums are within bf16 rounding of the fp32 computation."""
+    torch.manual_seed(1)
+    n, d = 40, 16
+    q, k, v = (torch.randn(h, n, d).bfloat16() for h in (4, 2, 2))
+    want_out, want_sums = attention_with_column_sums(q.float(), k.float(), v.float(), 0.25, 7)
+    out, sums = attention_with_column_sums(q, k, v, 0.25, 7)
+    assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32
+    torch.testing.assert_close(sums, want_sums, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out.float(), want_out, atol=0.05, rtol=0.02)
+
+
 def planted_inputs(n_q: int, n: int, head0_tokens: list[int], head1_tokens: list[int]):
     """Two KV heads, d = 4: head 0's keys are 10*e0 at ``head0_tokens``, head 1's 10*e1 at ``head1_tokens``;
     the first half of the query heads query e0, the second half e1; random values."""
