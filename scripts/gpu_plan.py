@@ -90,7 +90,7 @@ def cpu_pieces(n: int) -> dict[str, dict[str, float]]:
 
     pq = make_method("pqcache", budget=256)
     sub = split_subvectors(keys, pq.n_subvec).reshape(H_KV * pq.n_subvec, n, -1)
-    out["pqcache"] = {"build": timed(lambda: kmeans(sub, 2 ** pq.n_bits, pq.kmeans_iters,
+    out["pqcache"] = {"build": timed(lambda: kmeans(sub, 2 ** pq.n_bits, pq.kmeans_iters or pq.ADAPTIVE_ITERS[1],
                                                     torch.Generator().manual_seed(0), tol=pq.kmeans_tol), reps=1), "step": 0.0}
 
     pig = make_method("magicpig", budget=256)

@@ -127,12 +127,12 @@ def test_pq_kmeans_matches_sklearn_lloyd_rules_per_problem(iters, tol):
     assert (stats["iterations"] <= iters).all() and (iters == 3 or (stats["iterations"] > 3).any())
 
 
-def test_pq_official_iteration_bound_never_quantises_worse_than_ten():
-    """Defaults pinned to multi_core_compressor_v2.py (max_iter clamped to [3, 300], sklearn tol=1e-4); from
-    the same initialisation Lloyd's objective never increases, so the official bound's codebook quantises at
-    least as well as a fixed 10 iterations."""
+def test_pq_convergence_bound_never_quantises_worse_than_ten():
+    """Defaults pinned to multi_core_compressor_v2.py (max_iter=0: adaptive, clamped to [3, 300]; sklearn
+    tol=1e-4); from the same initialisation Lloyd's objective never increases, so the codebook run to
+    convergence (the cap 300) quantises at least as well as a fixed 10 iterations."""
     method = pq.PQCache(budget=64)
-    assert (method.kmeans_iters, method.kmeans_tol) == (300, 1e-4)
+    assert (method.kmeans_iters, method.kmeans_tol, method.ADAPTIVE_ITERS) == (0, 1e-4, (3, 300))
     keys = torch.randn(4, 1500, 32, generator=torch.Generator().manual_seed(0))
     errors = {}
     for iters, tol in ((10, 0.0), (300, 1e-4)):
@@ -143,6 +143,29 @@ def test_pq_official_iteration_bound_never_quantises_worse_than_ten():
         if iters == 300:
             assert (stats["iterations"] > 10).all()  # the bound let it run past 10
     assert errors[300] < errors[10]
+
+
+def test_pq_kmeans_time_budget_stops_after_the_minimum_iterations():
+    """A zero budget runs exactly ``min_iters`` iterations; an ample one runs to convergence (as no budget)."""
+    keys = torch.randn(4, 1500, 32, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for budget in (0.0, 1e9, None):
+        stats = {}
+        pq.kmeans(keys, 64, 300, torch.Generator().manual_seed(1), tol=1e-4, stats=stats, time_budget_s=budget,
+                  min_iters=3)
+        runs[budget] = stats["iterations"]
+    assert (runs[0.0] == 3).all() and torch.equal(runs[1e9], runs[None]) and (runs[None] > 3).all()
+
+
+def test_pq_adaptive_iterations_on_a_cpu_without_idle_cores(monkeypatch):
+    """On a CPU whose every core runs torch's threads no core is idle during the prefill: each layer gets the
+    official minimum of 3 iterations, reported in ``layer_stats``; a fixed ``kmeans_iters`` is not timed."""
+    monkeypatch.setattr(pq.os, "cpu_count", lambda: torch.get_num_threads())
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(400), 3, "pqcache", budget=24)
+    assert all(cache.method.layer_stats(st) == {"kmeans_iterations": 3.0} for st in cache.states)
+    assert pq.spare_cpu_share(torch.device("cpu")) == 0.0 and pq.spare_cpu_share(torch.device("cuda")) == 1.0
+    assert pq.PQCache(budget=24, kmeans_iters=300).kmeans_time_budget(pq.PQState(1)) is None
 
 
 def test_pq_window_codes_and_budget_split():
