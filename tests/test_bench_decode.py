@@ -85,3 +85,29 @@ def test_omp_wait_record_names_how_idle_threads_wait(monkeypatch):
     assert omp_wait_record() == "passive"
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # overrides the policy in libgomp
     assert omp_wait_record() == "spin 300000"
+
+
+def test_repeats_run_in_rounds_and_report_each_cells_medians(tmp_path, capsys):
+    """``--repeats 3``: every cell measured three times, round by round (full, topk, full, topk, ...), its row the
+    median of every timing and phase with the repeats under ``runs``; resume counts the finished repeats."""
+    out = tmp_path / "bench.json"
+    result = bench(out, "--methods", "full", "topk", "--in-process", "--repeats", "3")
+    order = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip().endswith(("ms", "300000"))
+             or " 96: TT2T" in line]
+    assert order == ["full", "topk"] * 3
+    for method in ("full", "topk"):
+        row = result[method]["96"]
+        runs = row["runs"]
+        assert len(runs) == 3
+        assert row[decode.TPOT] == sorted(r[decode.TPOT] for r in runs)[1]
+        assert row["breakdown"]["other"] == sorted(r["breakdown"]["other"] for r in runs)[1]
+    bench(out, "--methods", "full", "topk", "--in-process", "--repeats", "3", "--resume")
+    assert " 96: TT2T" not in capsys.readouterr().out
+
+
+def test_median_row_of_one_run_is_that_run_and_failed_repeats_are_left_out():
+    one = _row(0.5)
+    assert decode.median_row([one]) is one
+    rows = [_row(0.3, other=0.1), {"error": "exit 1"}, _row(0.5, other=0.3)]
+    merged = decode.median_row(rows)
+    assert merged[decode.TPOT] == 0.4 and merged["breakdown"]["other"] == 0.2 and merged["runs"] == rows

@@ -22,6 +22,13 @@ A cell that fails is recorded with its error and the run goes on. The file is re
 cell; ``--resume`` keeps the finished cells of ``--out`` (same model, budget and number of new tokens)
 and measures the missing or failed ones, so a long run can be extended.
 
+``--repeats N`` measures every cell ``N`` times, in rounds (round ``r`` runs every length and method once before
+round ``r + 1`` starts), so the cells that are compared run minutes, not a whole run, apart; a cell's row is then
+the median of its repeats for each timing and each phase (the phases' medians need not sum to the median TPOT)
+and its peak memory the maximum, with every repeat kept under ``runs``. On a shared machine whose speed drifts
+(docs/benchmarks.md: full's ``other`` 20.5 to 44.5 ms per token on one day) one cell per method cannot separate
+10% effects.
+
 OpenMP waiting (``--omp-wait``, CPU; recorded per cell as ``omp_wait``): ``spin`` (default) is libgomp's own
 default, idle threads spin ~300k iterations before they sleep (``GOMP_SPINCOUNT=300000``, set explicitly so an
 inherited ``OMP_WAIT_POLICY`` does not change it); ``passive`` makes them sleep at once, so every parallel region
@@ -43,6 +50,7 @@ import argparse
 import os
 import json
 import resource
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +112,8 @@ def parse_args(argv):
                         help="measure every cell in this process (default: one fresh process per cell)")
     parser.add_argument("--isolate", dest="isolate", action="store_true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure every cell this many times, in rounds; report the medians")
     parser.add_argument("--omp-wait", choices=tuple(OMP_WAIT), default="spin",
                         help="how idle OpenMP threads wait in each cell (module docstring)")
     parser.add_argument("--cell", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
@@ -192,22 +202,43 @@ def main(argv=None) -> None:
         model, tokenizer = load(args)
         ids_by_length = prompts(tokenizer, args, args.lengths)
         environment_row = environment(model)
-    for length in args.lengths:
-        for method in args.methods:
-            if str(length) in results.get(method, {}):
-                continue
-            if args.isolate:
-                row = isolated_cell(args, method, length)
-                environment_row = row.pop("environment", environment_row)
-            else:
-                row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
-                              args.profile)
-            results.setdefault(method, {})[str(length)] = row
-            print_cell(method, length, row)
-            write(args, results, environment_row)
+    for rep in range(args.repeats):
+        for length in args.lengths:
+            for method in args.methods:
+                cell = results.get(method, {}).get(str(length))
+                runs = [] if cell is None else cell.get("runs", [cell])
+                if sum("error" not in r for r in runs) > rep:
+                    continue
+                if args.isolate:
+                    row = isolated_cell(args, method, length)
+                    environment_row = row.pop("environment", environment_row)
+                else:
+                    row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
+                                  args.profile)
+                results.setdefault(method, {})[str(length)] = median_row(runs + [row])
+                print_cell(method, length, row)
+                write(args, results, environment_row)
     print_summary(results, args.growth_from, args.growth_to)
     print_ratios(results)
     print(f"wrote {args.out}")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One cell from its repeats (``--repeats``): the median of every timing and of each phase, the maximum of
+    the peak memories, every repeat under ``runs``; a single run is its own row."""
+    ok = [r for r in runs if "error" not in r]
+    if len(runs) == 1 or not ok:
+        return runs[-1]
+    row = {**ok[-1], "runs": runs}
+    for key in ("tt2t_s", "ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "breakdown_sum_over_tpot"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    row["breakdown"] = {p: statistics.median(r["breakdown"][p] for r in ok) for p in ok[-1]["breakdown"]}
+    for key in ("peak_rss_bytes", "peak_memory_bytes"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            row[key] = max(values)
+    return row
 
 
 def print_cell(method: str, length: int, row: dict) -> None:
