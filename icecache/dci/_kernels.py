@@ -30,8 +30,9 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
@@ -51,6 +52,29 @@ def key_f32(typingctx, x):
             return builder.bitcast(wide, ir.FloatType())
         return types.float32(x), codegen
     return None
+
+
+# LLVM >= 16 (llvmlite >= 0.45) names the intrinsic after an opaque pointer, older ones after i8*
+_PREFETCH = "llvm.prefetch.p0" if binding.llvm_version_info >= (16,) else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Hint that ``arr[idx]`` (``idx`` a tuple of indices) will be read soon: its cache line is requested
+    now (``llvm.prefetch``, read, high locality), so that reads known in advance overlap instead of each
+    waiting for memory in turn. The search is bound by such waits: at 32k tokens a query chases ~65 nodes
+    and ~70 pages through arrays of ~3 MB per layer that are cold at every step."""
+    def codegen(context, builder, sig, args):
+        aryty, idxty = sig.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = cgutils.unpack_tuple(builder, args[1], len(idxty))
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
 
 
 # the index's arrays (module docstring); the tuples hold references, so kernels write in place
@@ -169,30 +193,66 @@ def _rank(pg, score, best, touched, n_touched):
     return n_touched
 
 
-@njit(cache=True, nogil=True)
-def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
-                pos_sl):
-    """The C code's visiting order inside one node (``dci_next_closest_proj``): from the position
-    of ``p(q)`` among the ``c`` children (sorted by projection), chunks of up to ``chunk`` children
-    (``CLOSEST`` = 128 in the C code),
-    each from the side whose next child is closer to ``p(q)`` (topped up from the other side when
-    that side runs out); stop after a chunk once at least ``ceil(prop * c)`` children, at least
-    ``need_scored`` children and at least ``need_leaves`` level-0 pages below them are visited.
+@njit(cache=True, nogil=True, inline="always")
+def _child_count(h, node, pages, nodes):
+    """Number of children of ``node`` (the used slots of its pages)."""
+    c = 0
+    pg = nodes.first[h, node]
+    for _ in range(nodes.npages[h, node]):
+        c += pages.valid[h, pg]
+        pg = pages.next[h, pg]
+    return c
 
-    The visited children always form one contiguous run of the sorted list: returns its bounds
-    ``[lo, hi)`` (positions in ``pos_pg``/``pos_sl``, filled here).
-    """
+
+@njit(cache=True, nogil=True, inline="always")
+def _fill_positions(h, node, pages, nodes, pos_pg, pos_sl):
+    """``pos_pg[i], pos_sl[i]``: the page and slot of ``node``'s ``i``-th child in projection order."""
     i = 0
     pg = nodes.first[h, node]
-    left = -1  # last child with projection < p(q)
     for _ in range(nodes.npages[h, node]):
         for s in range(pages.valid[h, pg]):
             pos_pg[i] = pg
             pos_sl[i] = s
-            if pages.proj[h, pg, s] < qp:
-                left = i
             i += 1
         pg = pages.next[h, pg]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _proj_at(h, i, pages, pos_pg, pos_sl):
+    """Projection of the child at position ``i`` (:func:`_fill_positions`)."""
+    return pages.proj[h, pos_pg[i], pos_sl[i]]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _leaves_at(h, i0, i1, pages, nodes, pos_pg, pos_sl):
+    """Level-0 pages below the children at positions ``i0 .. i1-1``."""
+    leaves = 0
+    for i in range(i0, i1):
+        leaves += nodes.nleaf[h, pages.loc[h, pos_pg[i], pos_sl[i]] + 1]
+    return leaves
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk_walk(h, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl):
+    """The C code's visiting order inside one node (``dci_next_closest_proj``) over its ``c`` children, whose
+    positions :func:`_fill_positions` wrote: from the position of ``p(q)`` among them (sorted by
+    projection), chunks of up to ``chunk`` children (``CLOSEST`` = 128 in the C code), each from the side
+    whose next child is closer to ``p(q)`` (topped up from the other side when that side runs out); stop
+    after a chunk once at least ``ceil(prop * c)`` children, at least ``need_scored`` children and at least
+    ``need_leaves`` level-0 pages below them are visited.
+
+    The visited children always form one contiguous run of the sorted list: returns its bounds ``[lo, hi)``.
+    ``p(q)``'s position is found by bisection and each chunk is taken as two index ranges, so the walk costs
+    O(log c + chunks), not O(c) (level-0 pages are counted child by child only for upper levels).
+    """
+    lo, hi = 0, c
+    while lo < hi:  # left = last child with projection < p(q)
+        mid = (lo + hi) // 2
+        if _proj_at(h, mid, pages, pos_pg, pos_sl) < qp:
+            lo = mid + 1
+        else:
+            hi = mid
+    left = lo - 1
     right = left + 1
     want = max(int(math.ceil(prop * c - 1e-9)), 1)
     scored = 0
@@ -203,41 +263,37 @@ def _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pa
         elif right >= c:
             from_right = False
         else:
-            from_right = (pages.proj[h, pos_pg[right], pos_sl[right]] - qp
-                          < qp - pages.proj[h, pos_pg[left], pos_sl[left]])
-        take = chunk
-        while take > 0 and (left >= 0 or right < c):
-            if (from_right and right < c) or left < 0:
-                i = right
-                right += 1
-            else:
-                i = left
-                left -= 1
-            if upper:
-                leaves += nodes.nleaf[h, pages.loc[h, pos_pg[i], pos_sl[i]] + 1]
-            scored += 1
-            take -= 1
+            from_right = (_proj_at(h, right, pages, pos_pg, pos_sl) - qp
+                          < qp - _proj_at(h, left, pages, pos_pg, pos_sl))
+        if from_right:
+            n_right = min(chunk, c - right)
+            n_left = min(chunk - n_right, left + 1)
+        else:
+            n_left = min(chunk, left + 1)
+            n_right = min(chunk - n_left, c - right)
+        if upper:
+            leaves += (_leaves_at(h, right, right + n_right, pages, nodes, pos_pg, pos_sl)
+                       + _leaves_at(h, left + 1 - n_left, left + 1, pages, nodes, pos_pg, pos_sl))
+        right += n_right
+        left -= n_left
+        scored += n_right + n_left
         if scored >= want and scored >= need_scored and leaves >= need_leaves:
             break
     return left + 1, right
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _visited_run(h, node, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl):
     """The run ``[lo, hi)`` of ``node``'s sorted children that one query scores (:func:`_chunk_walk`; a
     node of at most ``chunk`` children is scored in full)."""
-    c = 0
-    pg = nodes.first[h, node]
-    for _ in range(nodes.npages[h, node]):
-        c += pages.valid[h, pg]
-        pg = pages.next[h, pg]
+    c = _child_count(h, node, pages, nodes)
     if c <= chunk:
         return 0, c
-    return _chunk_walk(h, node, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg,
-                       pos_sl)
+    _fill_positions(h, node, pages, nodes, pos_pg, pos_sl)
+    return _chunk_walk(h, c, qp, prop, chunk, need_scored, need_leaves, upper, pages, nodes, pos_pg, pos_sl)
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, rank, pages, nodes, pos_pg, pos_sl,
             best, touched, n_touched, cand_s, cand_v, cand_p, nc):
     """Single-node search of the C code (``dci_query_single_point_single_level`` with one simple
@@ -261,6 +317,22 @@ def _expand(h, node, qv, qp, prop, chunk, need_scored, need_leaves, rank, pages,
     return n_touched, nc
 
 
+@njit(cache=True, nogil=True)
+def _order_desc(scores, n, keys):
+    """Positions of ``scores[:n]`` from the highest score to the lowest, ties in position order: each
+    score's order-preserving integer image is packed with its position into one int64 key and the keys are
+    sorted (numba's float argsort took ~3x longer on the search's candidate lists)."""
+    for i in range(n):
+        bits = np.int64(np.float32(scores[i]).view(np.int32))
+        mono = bits ^ 0x7FFFFFFF if bits < 0 else bits  # a larger float has a larger image
+        keys[i] = ((-mono - 1) << 32) | i  # descending score, then ascending position
+    keys[:n].sort()
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        order[i] = keys[i] & 0xFFFFFFFF
+    return order
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, official, pages, nodes, pos_pg, pos_sl,
              best, touched, kept):
@@ -273,18 +345,29 @@ def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, official,
     cand_s = np.empty(n_upper + 1, dtype=np.float32)
     cand_v = np.empty(n_upper + 1, dtype=np.int64)
     cand_p = np.empty(n_upper + 1, dtype=np.int64)
+    sort_keys = np.empty(n_upper + 1, dtype=np.int64)
     kept[0] = 0
     n_kept = 1
     n_touched = 0
     child_level = top_level
     while child_level > 0:
+        for a in range(n_kept):  # the first page of every node about to be expanded, requested at once
+            pg = nodes.first[h, kept[a]]
+            prefetch(pages.valid, (h, pg))
+            prefetch(pages.next, (h, pg))
+            prefetch(pages.keys, (h, pg, 0, 0))
+            prefetch(pages.keys, (h, pg, 1, 0))
         nc = 0
         for a in range(n_kept):
             n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, fov, k_pages, not official, pages, nodes,
                                     pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, cand_p, nc)
         if nc == 0:
             return 0, n_touched
-        order = np.argsort(-cand_s[:nc])
+        for a in range(nc):  # what the next level reads of each candidate, requested before the sort
+            prefetch(nodes.nleaf, (h, cand_v[a]))
+            prefetch(nodes.first, (h, cand_v[a]))
+            prefetch(nodes.npages, (h, cand_v[a]))
+        order = _order_desc(cand_s, nc, sort_keys)
         n_kept = min(fov, nc)
         leaves = 0
         for a in range(n_kept):
@@ -326,12 +409,6 @@ def _rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _same_run(runs, e, i, v, s0, s1):
-    """Whether run ``e`` covers slots ``s0 .. s1-1`` of the page whose first slot is child ``i``."""
-    return max(runs[e, 2] - i, 0) == s0 and min(runs[e, 3] - i, v) == s1
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _touch(g, pg, best, touched, n_touched):
     """Records page ``pg`` as touched by query ``g`` the first time it is scored (``best`` still -inf)."""
     if best[g, pg] == -np.inf:
@@ -352,60 +429,112 @@ def _score_slots(h, q_group, g, pg, s0, s1, pages, best):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _score_slots3(h, q_group, g0, g1, g2, pg, s0, s1, pages, best):
-    """:func:`_score_slots` for three queries at once: each key is loaded once for the three dot products
-    (the same arithmetic per query, so the same scores)."""
+def _score_slots3(h, q_group, gs, s0s, s1s, k, pg, pages, best):
+    """:func:`_score_slots` for the three queries ``gs[k:k+3]``, each over its own slots ``s0s[.] ..
+    s1s[.]-1``: every key of the union of their slots is loaded once for the three dot products (the same
+    arithmetic per query, so the same scores), and each maximum takes only its query's slots."""
+    g0, g1, g2 = gs[k], gs[k + 1], gs[k + 2]
+    a0, a1, a2 = s0s[k], s0s[k + 1], s0s[k + 2]
+    b0, b1, b2 = s1s[k], s1s[k + 1], s1s[k + 2]
     t0, t1, t2 = best[g0, pg], best[g1, pg], best[g2, pg]
-    for s in range(s0, s1):
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
+    for s in range(min(a0, a1, a2), max(b0, b1, b2)):
+        d0 = np.float32(0.0)
+        d1 = np.float32(0.0)
+        d2 = np.float32(0.0)
         for j in range(q_group.shape[1]):
-            k = key_f32(pages.keys[h, pg, s, j])
-            a0 += q_group[g0, j] * k
-            a1 += q_group[g1, j] * k
-            a2 += q_group[g2, j] * k
-        t0, t1, t2 = max(t0, a0), max(t1, a1), max(t2, a2)
+            key = key_f32(pages.keys[h, pg, s, j])
+            d0 += q_group[g0, j] * key
+            d1 += q_group[g1, j] * key
+            d2 += q_group[g2, j] * key
+        if a0 <= s < b0:
+            t0 = max(t0, d0)
+        if a1 <= s < b1:
+            t1 = max(t1, d1)
+        if a2 <= s < b2:
+            t2 = max(t2, d2)
     best[g0, pg], best[g1, pg], best[g2, pg] = t0, t1, t2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_page(h, pg, pages):
+    """Requests every used key of page ``pg`` (none when ``pg < 0``): the next page of a node is scored while
+    its keys arrive (a page is 2-4 KB at a place the hardware prefetcher cannot guess)."""
+    if pg < 0:
+        return
+    step = max(64 // pages.keys.itemsize, 1)  # key elements per 64-byte cache line
+    lines = (pages.keys.shape[3] + step - 1) // step
+    for s in range(pages.valid[h, pg]):
+        for line in range(lines):
+            prefetch(pages.keys, (h, pg, s, line * step))
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _score_level0(h, q_group, runs, n_runs, pages, nodes, best, touched, n_touched):
     """Level 0 of the search for a KV head's query heads together: ``runs [n, 4]`` rows ``(node, query,
     lo, hi)`` sorted by node; each node's pages are read once while every query that kept the node scores
-    its run of them (the page stays in L1 between the queries, so the group reads the keys once instead of
-    once per query head). Updates ``best [G, P]`` (a page's best ``q.k``) and the touched lists ``touched
-    [G, P]`` / ``n_touched [G]`` exactly as one search per query head would. Three queries with the same
-    run of a page are scored together (:func:`_score_slots3`)."""
+    its run of them, three queries at a time (:func:`_score_slots3`; the page stays in L1 between them, so
+    the group reads the keys once instead of once per query head). Updates ``best [G, P]`` (a page's best
+    ``q.k``) and the touched lists ``touched [G, P]`` / ``n_touched [G]`` exactly as one search per query
+    head would."""
+    n_group = q_group.shape[0]
+    gs = np.empty(n_group, dtype=np.int64)
+    s0s = np.empty(n_group, dtype=np.int64)
+    s1s = np.empty(n_group, dtype=np.int64)
     a = 0
     while a < n_runs:
         node = runs[a, 0]
         b = a
         while b < n_runs and runs[b, 0] == node:
             b += 1
+        if b < n_runs:  # the next node's first page
+            prefetch(pages.keys, (h, nodes.first[h, runs[b, 0]], 0, 0))
         i = 0  # position of the first slot of page pg in the node's sorted child list
         pg = nodes.first[h, node]
         for _ in range(nodes.npages[h, node]):
             v = pages.valid[h, pg]
-            e = a
-            while e < b:
+            _prefetch_page(h, pages.next[h, pg], pages)
+            m = 0  # the queries whose run covers slots of this page
+            for e in range(a, b):
                 s0 = max(runs[e, 2] - i, 0)
                 s1 = min(runs[e, 3] - i, v)
-                if s0 >= s1:
-                    e += 1
-                    continue
-                n = 3 if (e + 2 < b and _same_run(runs, e + 1, i, v, s0, s1)
-                          and _same_run(runs, e + 2, i, v, s0, s1)) else 1
-                for f in range(e, e + n):
-                    _touch(runs[f, 1], pg, best, touched, n_touched)
-                if n == 3:
-                    _score_slots3(h, q_group, runs[e, 1], runs[e + 1, 1], runs[e + 2, 1], pg, s0, s1,
-                                  pages, best)
+                if s0 < s1:
+                    _touch(runs[e, 1], pg, best, touched, n_touched)
+                    gs[m], s0s[m], s1s[m] = runs[e, 1], s0, s1
+                    m += 1
+            k = 0
+            while k < m:
+                if m - k >= 3:
+                    _score_slots3(h, q_group, gs, s0s, s1s, k, pg, pages, best)
+                    k += 3
                 else:
-                    _score_slots(h, q_group, runs[e, 1], pg, s0, s1, pages, best)
-                e += n
+                    _score_slots(h, q_group, gs[k], pg, s0s[k], s1s[k], pages, best)
+                    k += 1
             i += v
             pg = pages.next[h, pg]
+        a = b
+
+
+@njit(cache=True, nogil=True)
+def _level0_runs(h, runs, n_runs, order, qps, prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl):
+    """Fills ``lo, hi`` of the level-0 ``runs`` (rows ``(node, query, lo, hi)``, visited in ``order``, sorted by
+    node): each node's children are counted, and laid out for the chunk walk, once for all the queries that
+    kept it."""
+    a = 0
+    while a < n_runs:
+        node = runs[order[a], 0]
+        b = a
+        while b < n_runs and runs[order[b], 0] == node:
+            b += 1
+        c = _child_count(h, node, pages, nodes)
+        if c > chunk:
+            _fill_positions(h, node, pages, nodes, pos_pg, pos_sl)
+        for e in range(a, b):
+            r = order[e]
+            if c <= chunk:
+                runs[r, 2], runs[r, 3] = 0, c
+            else:
+                runs[r, 2], runs[r, 3] = _chunk_walk(h, c, qps[runs[r, 1]], prop, chunk, k_pages, 0, False, pages,
+                                                     nodes, pos_pg, pos_sl)
         a = b
 
 
@@ -456,13 +585,11 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
                                         n_upper, official, pages, nodes, pos_pg, pos_sl, best[g], touched[g],
                                         kept)
         for a in range(n_kept):
-            lo, hi = _visited_run(h, kept[a], qps[g], prop, chunk, k_pages, 0, False, pages, nodes, pos_pg,
-                                  pos_sl)
             runs[n_runs, 0] = kept[a]
             runs[n_runs, 1] = g
-            runs[n_runs, 2] = lo
-            runs[n_runs, 3] = hi
             n_runs += 1
+    order = np.argsort(runs[:n_runs, 0], kind="mergesort")
+    _level0_runs(h, runs, n_runs, order, qps, prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl)
     if official:
         buf_s = np.empty(max_children, dtype=np.float32)
         buf_p = np.empty(max_children, dtype=np.int64)
@@ -471,7 +598,6 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
             n_touched[g] = _rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3], k_pages, pages,
                                               nodes, best[g], touched[g], n_touched[g], buf_s, buf_p)
     else:
-        order = np.argsort(runs[:n_runs, 0], kind="mergesort")
         _score_level0(h, q_group, runs[order], n_runs, pages, nodes, best, touched, n_touched)
     for g in range(n_group):
         _top_pages(best[g], touched[g], n_touched[g], out[g], out_scores[g])
