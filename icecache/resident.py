@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.dci._kernels import prefetch
 from icecache.dci.gqa import find
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -90,13 +91,22 @@ def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slo
             pos = positions[i, j]
             if pos >= 0 and (pos < first_pos or pos >= end_pos):
                 return False
+    lines = (k_src.shape[2] * k_src.itemsize + 63) // 64
+    step = max(64 // k_src.itemsize, 1)  # elements per 64-byte cache line
+    for i in range(n):  # the rows to read are scattered over the store: request them all first
+        for j in range(s):
+            row = max(positions[i, j] - base_pos, 0)
+            for line in range(lines):
+                prefetch(k_src, (heads[i], row, line * step))
+                prefetch(v_src, (heads[i], row, line * step))
     for i in range(n):
         h = heads[i]
         for j in range(s):
             row = max(positions[i, j] - base_pos, 0)
             dst = offset + slots[i] * s + j
-            k_dst[h, dst, :] = k_src[h, row, :]
-            v_dst[h, dst, :] = v_src[h, row, :]
+            for e in range(k_src.shape[2]):  # element loops: a slice assignment per row costs more than the copy
+                k_dst[h, dst, e] = k_src[h, row, e]
+                v_dst[h, dst, e] = v_src[h, row, e]
     return True
 
 
