@@ -313,6 +313,17 @@ def test_simhash_codes_are_the_sign_bits_of_each_table_in_any_chunking():
     assert torch.equal(mp.simhash(x[0, 0], proj), plain[0, 0])  # a single vector keeps its shape [L]
 
 
+def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
+    """The CPU counting sort equals a stable ``torch.sort`` (codes and key order), whatever ``K``; an explicit
+    ``n_bits`` gives the same tables as the inferred one."""
+    g = torch.Generator().manual_seed(1)
+    for n_bits in (1, 4, 11):
+        codes = torch.randint(0, 2 ** n_bits, (2, 5, 333), generator=g)
+        want_codes, want_order = codes.sort(dim=-1, stable=True)
+        for got_codes, got_order in (mp.build_tables(codes), mp.build_tables(codes, n_bits + 2)):
+            assert torch.equal(got_codes, want_codes) and torch.equal(got_order, want_order)
+
+
 def test_bucket_lookup_equals_brute_force_collision_count():
     g = torch.Generator().manual_seed(0)
     h_kv, group, n, d = 2, 3, 300, 16
