@@ -311,9 +311,10 @@ class MagicPIG(KVMethod):
         keys = expand_heads(centred, self.spec.n_q_heads)
         cos = torch.einsum("hd,hnd->hn", st.calib_q, keys) / (
             st.calib_q.norm(dim=-1, keepdim=True) * keys.norm(dim=-1)).clamp(min=1e-12)
+        one_bit = collision_probability(cos, 1)  # the arccos once; K bits collide with probability one_bit ** K
 
         def expected(bits: int) -> float:
-            p = collision_probability(cos, bits)
+            p = one_bit ** bits
             return float(inclusion_probability(p, self.n_tables, self.min_collisions).sum(-1).mean())
 
         if not self.calibrate:
