@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from icecache.dci._kernels import prefetch
+from icecache.dci._kernels import prefetch_row
 from icecache.dci.gqa import find
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,14 +91,11 @@ def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slo
             pos = positions[i, j]
             if pos >= 0 and (pos < first_pos or pos >= end_pos):
                 return False
-    lines = (k_src.shape[2] * k_src.itemsize + 63) // 64
-    step = max(64 // k_src.itemsize, 1)  # elements per 64-byte cache line
     for i in range(n):  # the rows to read are scattered over the store: request them all first
         for j in range(s):
             row = max(positions[i, j] - base_pos, 0)
-            for line in range(lines):
-                prefetch(k_src, (heads[i], row, line * step))
-                prefetch(v_src, (heads[i], row, line * step))
+            prefetch_row(k_src[heads[i]], row)
+            prefetch_row(v_src[heads[i]], row)
     for i in range(n):
         h = heads[i]
         for j in range(s):

@@ -77,6 +77,14 @@ def prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_row(mat, r):
+    """:func:`prefetch` of every 64-byte cache line of row ``r`` of the 2-D array ``mat``."""
+    step = max(64 // mat.itemsize, 1)  # elements per cache line
+    for line in range((mat.shape[1] + step - 1) // step):
+        prefetch(mat, (r, line * step))
+
+
 # the index's arrays (module docstring); the tuples hold references, so kernels write in place
 Pages = namedtuple("Pages", "keys uk proj loc abs valid next node used")
 Nodes = namedtuple("Nodes", "first npages nleaf m2")
@@ -461,11 +469,9 @@ def _prefetch_page(h, pg, pages):
     its keys arrive (a page is 2-4 KB at a place the hardware prefetcher cannot guess)."""
     if pg < 0:
         return
-    step = max(64 // pages.keys.itemsize, 1)  # key elements per 64-byte cache line
-    lines = (pages.keys.shape[3] + step - 1) // step
+    keys = pages.keys[h, pg]
     for s in range(pages.valid[h, pg]):
-        for line in range(lines):
-            prefetch(pages.keys, (h, pg, s, line * step))
+        prefetch_row(keys, s)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
