@@ -11,6 +11,7 @@ method's file, the shared slicing and checks here).
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -62,3 +63,13 @@ def check_attended(method, st: AttendedSetState) -> None:
     if method.is_budgeted(st.layer_idx) and st.max_attended > method.budget:
         raise AssertionError(f"{method.name}: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
                              f"head, over the budget of {method.budget}")
+
+
+def spare_cpu_share(device: torch.device) -> float:
+    """Share of the CPU cores the prefill leaves idle, on which the official codes overlap their index builds
+    (PQCache's k-means, MagicPIG's tables): all of them when the model runs on a GPU, else the cores beyond
+    torch's intra-op threads."""
+    if device.type != "cpu":
+        return 1.0
+    cores = os.cpu_count() or 1
+    return max(0, cores - torch.get_num_threads()) / cores

@@ -9,8 +9,12 @@ Budget mapping: docs/architecture.md.
   (the "GPU part", which also keeps every generated token, as the official generation buffer); the
   middle tokens go to the offload store. Keys are centred per KV head (``mu`` = mean offloaded key),
   hashed by SimHash (``K`` sign bits per table, ``L`` tables, seeded Gaussian projections shared by
-  all layers and heads as the official ``hash_func``), and each table is sorted into buckets — on the
-  background worker, awaited at the layer's first decode.
+  all layers and heads as the official ``hash_func``, in the model's dtype as there), and each table is
+  sorted into buckets (:mod:`baselines.simhash_tables`). The official code overlaps this build with the
+  GPU's prefill of the next layers; here it runs on the background worker (awaited at the layer's first
+  decode) when the prefill leaves cores idle (a GPU model, or more cores than torch's threads), else inline
+  at the end of the layer's prefill (``background_build``): on a CPU whose cores all run the prefill a
+  second thread only competes with it (docs/benchmarks.md, MagicPIG's TT2T).
 * Decode: the query of each *query* head is hashed with its KV head's tables; candidates ``S_h`` =
   keys colliding in at least ``min_collisions`` of the ``L`` tables. With ``p_j = (1 - theta_j/pi)^K``
   (``theta_j`` = angle between ``q_h`` and the centred key), the inclusion probability is
@@ -42,42 +46,21 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
-import numpy as np
 import torch
-from numba import njit
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
 from icecache.offload import to_store
 
-from .common import keep_sinks_and_recent, scaled_layers
+from .common import keep_sinks_and_recent, scaled_layers, spare_cpu_share
+from .simhash_tables import bit_major, build_tables, lookup, simhash
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
 OFFICIAL_BITS, OFFICIAL_TABLES = 10, 150  # models/attnserver.py LSHSparseAttnServer(K=10, L=150)
 WEIGHT_FLOOR = 1e-4  # sparse_attention/sparse_attention.cc transform_kernel: score / sqrt(d) - log(w + 1e-4)
 
 
-# ---------------------------------------------------------------------------------------- SimHash
-def simhash(x: torch.Tensor, proj: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Codes ``[..., L]`` (int64): table ``l``'s code is the ``K``-bit sign pattern of ``x . proj[:, l]``;
-    ``x: [..., d]``, ``proj: [d, L, K]``. ``chunk`` vectors at a time, so the ``L x K`` sign bits of a chunk
-    stay small (one layer's 8k keys at L = 150, K = 10 in one piece: 2.3 s on one CPU thread, in chunks of
-    256: 0.2 s, the same codes). The bits are packed by one small matmul with the powers of two (exact: the
-    sums are integers below ``2^K``, exact in fp32 up to ``K = 24``, in fp64 beyond), half the time of an
-    int64 multiply-and-sum (8k keys, K = 10, 2 threads: 77 -> 38 ms)."""
-    d, n_tables, n_bits = proj.shape
-    flat = proj.float().reshape(d, n_tables * n_bits)
-    pack = torch.float32 if n_bits <= 24 else torch.float64
-    weights = torch.pow(2.0, torch.arange(n_bits, device=x.device, dtype=pack))
-    rows = x.reshape(-1, d)
-    codes = torch.empty(rows.shape[0], n_tables, dtype=torch.int64, device=x.device)
-    for start in range(0, rows.shape[0], chunk):
-        part = rows[start:start + chunk]
-        bits = torch.matmul(part.float(), flat).gt_(0).view(part.shape[0], n_tables, n_bits)
-        codes[start:start + chunk] = torch.matmul(bits.to(pack), weights).long()
-    return codes.view(*x.shape[:-1], n_tables)
-
-
+# ----------------------------------------------------------------------------- collision model
 def collision_probability(cos: torch.Tensor, n_bits: int) -> torch.Tensor:
     """Probability that one ``K``-bit SimHash table puts two vectors of cosine ``cos`` in one bucket."""
     theta = torch.arccos(cos.double().clamp(-1.0, 1.0))
@@ -96,60 +79,6 @@ def importance_log_weight(w: torch.Tensor) -> torch.Tensor:
     shifted by the constant ``log(1 + 1e-4)`` so that a certain key (``w = 1``) gets exactly 0: the shift
     cancels in each head's sampled softmax and only keeps its LSE exact when every key is certain (``K = 0``)."""
     return torch.log((w.double() + WEIGHT_FLOOR) / (1.0 + WEIGHT_FLOOR)).float()
-
-
-def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bucket tables: per (KV head, table) the codes sorted and the key ids in that order (``codes [H_kv, L,
-    n]``). On CPU a counting sort over the ``2^K`` buckets (:func:`_bucket_sort`, stable; one layer's 8k keys
-    at L = 150, K = 11: 90-100 ms with ``torch.sort``); elsewhere ``torch.sort``. ``n_bits`` (``K``) defaults to
-    the bits the largest code needs."""
-    codes = codes.contiguous()
-    if codes.device.type != "cpu" or codes.numel() == 0:
-        return codes.sort(dim=-1)
-    if n_bits is None:
-        n_bits = int(codes.max()).bit_length()
-    rows = codes.view(-1, codes.shape[-1]).numpy()
-    sorted_codes, order = np.empty_like(rows), np.empty_like(rows)
-    _bucket_sort(rows, 1 << n_bits, sorted_codes, order)
-    return torch.from_numpy(sorted_codes).view(codes.shape), torch.from_numpy(order).view(codes.shape)
-
-
-@njit(cache=True, nogil=True)
-def _bucket_sort(codes, n_buckets, sorted_codes, order):
-    """Stable counting sort of each row of ``codes`` (values in ``[0, n_buckets)``): histogram, prefix sums,
-    scatter; O(n + 2^K) per row."""
-    start = np.empty(n_buckets + 1, dtype=np.int64)
-    for r in range(codes.shape[0]):
-        start[:] = 0
-        for i in range(codes.shape[1]):
-            start[codes[r, i] + 1] += 1
-        for b in range(n_buckets):
-            start[b + 1] += start[b]
-        for i in range(codes.shape[1]):
-            c = codes[r, i]
-            j = start[c]
-            start[c] = j + 1
-            sorted_codes[r, j] = c
-            order[r, j] = i
-
-
-def lookup(sorted_codes: torch.Tensor, order: torch.Tensor, q_codes: torch.Tensor, min_collisions: int) -> torch.Tensor:
-    """Candidate mask ``[H_kv * G, n]``: keys sharing the query's bucket in ``>= min_collisions`` tables.
-
-    ``sorted_codes, order: [H_kv, L, n]``; ``q_codes: [H_kv, L, G]`` (the ``G`` query heads of a group)."""
-    h_kv, n_tables, n = order.shape
-    group = q_codes.shape[-1]
-    start = torch.searchsorted(sorted_codes, q_codes).flatten()  # rows ordered (kv, table, g)
-    lengths = torch.searchsorted(sorted_codes, q_codes, right=True).flatten() - start
-    rows = torch.arange(lengths.numel(), device=order.device)
-    row_of_hit = rows.repeat_interleave(lengths)
-    first_hit = lengths.cumsum(0) - lengths
-    within = torch.arange(row_of_hit.numel(), device=order.device) - first_hit[row_of_hit]
-    table_row = row_of_hit // group  # (kv, table)
-    keys = order.reshape(-1)[table_row * n + start[row_of_hit] + within]
-    q_head = (row_of_hit // (n_tables * group)) * group + row_of_hit % group
-    counts = torch.bincount(q_head * n + keys, minlength=h_kv * group * n)
-    return counts.reshape(h_kv * group, n) >= min_collisions
 
 
 # ------------------------------------------------------------------------------- partial attention
@@ -225,6 +154,9 @@ class MagicPIG(KVMethod):
         calibrate: choose ``K`` per layer so the expected sample size fits the budget (see module doc).
         max_bits: largest ``K`` calibration may pick.
         seed: seed of the random SimHash projections.
+        background_build: build the tables on the background worker (True), inline at the end of each layer's
+            prefill (False), or ``None``: in the background only when the prefill leaves CPU cores idle
+            (:func:`baselines.common.spare_cpu_share` > 0).
     """
 
     n_bits: int = OFFICIAL_BITS
@@ -236,11 +168,13 @@ class MagicPIG(KVMethod):
     calibrate: bool = True
     max_bits: int = 20
     seed: int = 0
+    background_build: bool | None = None
     name: ClassVar[str] = "magicpig"
     example_budget: ClassVar[int] = 128
     dense: frozenset = field(default=frozenset(), init=False, repr=False)
     proj: torch.Tensor | None = field(default=None, init=False, repr=False)
     _warned_target: bool = field(default=False, init=False, repr=False)
+    _matrices: dict = field(default_factory=dict, init=False, repr=False)  # (K, dtype) -> bit-major projections
 
     @property
     def local(self) -> int:
@@ -259,6 +193,7 @@ class MagicPIG(KVMethod):
         self.check_whole("n_bits", "n_sink", "local_window", "max_bits", "seed")
         self.check_whole("n_tables", "min_collisions", minimum=1)
         self.check_choice("calibrate", (False, True))
+        self.check_choice("background_build", (None, False, True))
         if self.dense_layers is not None and not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"magicpig: dense_layers must be layer ids (whole numbers >= 0), got {self.dense_layers}")
 
@@ -271,6 +206,15 @@ class MagicPIG(KVMethod):
         generator = torch.Generator().manual_seed(self.seed)
         bits = max(self.n_bits, self.max_bits if self.calibrate else 0)
         self.proj = torch.randn(spec.head_dim, self.n_tables, bits, generator=generator)
+        self._matrices.clear()
+
+    def hash_codes(self, x: torch.Tensor, n_bits: int) -> torch.Tensor:
+        """SimHash codes ``[..., L]`` of ``x`` with the first ``n_bits`` projections of each table, computed in
+        ``x``'s dtype (the bit-major projection matrix kept per ``(K, dtype)``)."""
+        key = (n_bits, x.dtype)
+        if key not in self._matrices:
+            self._matrices[key] = bit_major(self.proj[..., :n_bits], x.dtype)
+        return simhash(x, self.proj[..., :n_bits], self._matrices[key])
 
     def make_state(self, layer_idx: int) -> PigState:
         return PigState(layer_idx)
@@ -291,27 +235,37 @@ class MagicPIG(KVMethod):
         mid = slice(self.n_sink, self.n_sink + n_mid)
         st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])
         keep_sinks_and_recent(st, self.n_sink, self.local)  # the prompt's sinks and local window stay resident
-        self.submit_background(st, self.build_index, st)
+        background = self.background_build
+        if background is None:
+            background = spare_cpu_share(self.spec.device) > 0
+        if background:
+            self.submit_background(st, self.build_index, st)
+        else:
+            self.build_index(st)
 
     def build_index(self, st: PigState) -> None:
-        """Centres the offloaded keys, picks ``K`` (calibration), hashes and sorts into bucket tables."""
+        """Centres the offloaded keys, picks ``K`` (calibration), hashes (in the store's dtype, as the official
+        ``fill``) and sorts into bucket tables."""
         st.mu = st.store_k.float().mean(dim=1, keepdim=True)  # [H_kv, 1, d]
         centred = st.store_k.float() - st.mu
         st.knorm = centred.norm(dim=-1)
-        st.n_bits, st.expected_samples = self.choose_bits(st, centred)
-        st.sorted_codes, st.order = build_tables(simhash(centred, self.proj[..., :st.n_bits]).transpose(1, 2),
-                                                 st.n_bits)
+        st.n_bits, st.expected_samples = self.choose_bits(st, centred, st.knorm)
+        codes = self.hash_codes(centred.to(st.store_k.dtype), st.n_bits)  # [H_kv, n, L], a table-major view
+        st.sorted_codes, st.order = build_tables(codes.transpose(1, 2), st.n_bits)
 
-    def choose_bits(self, st: PigState, centred: torch.Tensor) -> tuple[int, float | None]:
+    def choose_bits(self, st: PigState, centred: torch.Tensor, norms: torch.Tensor) -> tuple[int, float | None]:
         """``(K, expected sample size at K)``. With ``calibrate``: the smallest ``K`` whose expected sample size
-        (last prompt query, mean over heads) fits the target, else ``max_bits`` with a warning (once per
-        method). Without: ``n_bits``, its expected sample size recorded (``None`` without a prompt query)."""
+        (last prompt query, mean over heads) fits the target, by bisection (the size never grows with ``K``:
+        ``p_j^K`` falls and ``w_j`` rises with ``p_j``), else ``max_bits`` with a warning (once per method).
+        Without: ``n_bits``, its expected sample size recorded (``None`` without a prompt query).
+        ``norms [H_kv, n]``: the centred keys' norms."""
         if st.calib_q is None:
             return self.n_bits, None
-        keys = expand_heads(centred, self.spec.n_q_heads)
-        cos = torch.einsum("hd,hnd->hn", st.calib_q, keys) / (
-            st.calib_q.norm(dim=-1, keepdim=True) * keys.norm(dim=-1)).clamp(min=1e-12)
-        one_bit = collision_probability(cos, 1)  # the arccos once; K bits collide with probability one_bit ** K
+        h_kv, group = self.spec.n_kv_heads, self.spec.group
+        q = st.calib_q.view(h_kv, group, -1)
+        cos = torch.einsum("hgd,hnd->hgn", q, centred) / (
+            q.norm(dim=-1, keepdim=True) * norms[:, None, :]).clamp(min=1e-12)
+        one_bit = collision_probability(cos.view(h_kv * group, -1), 1)  # K bits collide w.p. one_bit ** K
 
         def expected(bits: int) -> float:
             p = one_bit ** bits
@@ -319,9 +273,15 @@ class MagicPIG(KVMethod):
 
         if not self.calibrate:
             return self.n_bits, expected(self.n_bits)
-        for bits in range(self.max_bits + 1):
-            if (size := expected(bits)) <= self.sample_target:
-                return bits, size
+        low, high = 0, self.max_bits  # the answer lies in [low, high] when expected(high) fits
+        if (size := expected(high)) <= self.sample_target:
+            while low < high:
+                mid = (low + high) // 2
+                if expected(mid) <= self.sample_target:
+                    high = mid
+                else:
+                    low = mid + 1
+            return high, expected(high)
         if not self._warned_target:
             self._warned_target = True
             warnings.warn(f"magicpig: layer {st.layer_idx}: no K <= max_bits={self.max_bits} brings the expected "
@@ -347,7 +307,7 @@ class MagicPIG(KVMethod):
         if st.store_k is None:
             return None
         q_host = q[:, 0].detach().float().cpu()
-        codes = simhash(q_host, self.proj[..., :st.n_bits])  # [H_q, L]
+        codes = self.hash_codes(q_host.to(st.store_k.dtype), st.n_bits)  # [H_q, L], as the keys were hashed
         codes = codes.reshape(self.spec.n_kv_heads, self.spec.group, -1).transpose(1, 2).contiguous()
         return lookup(st.sorted_codes, st.order, codes, self.min_collisions)
 

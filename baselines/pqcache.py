@@ -35,7 +35,6 @@ what remains after the sinks; this harness uses 4 sinks and (B-4)/2 + (B-4)/2, d
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -46,7 +45,7 @@ from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.method import append_to_buffer
 from icecache.offload import HostKV
 
-from .common import keep_sinks_and_recent
+from .common import keep_sinks_and_recent, spare_cpu_share
 
 
 def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
@@ -110,15 +109,6 @@ def out_of_time(start: float, done_iters: int, min_iters: int, budget_s: float |
         return False
     elapsed = time.perf_counter() - start
     return elapsed + elapsed / done_iters > budget_s
-
-
-def spare_cpu_share(device: torch.device) -> float:
-    """Share of the CPU cores the prefill leaves idle, on which the official code overlaps its k-means: all of
-    them when the model runs on a GPU, else the cores beyond torch's intra-op threads."""
-    if device.type != "cpu":
-        return 1.0
-    cores = os.cpu_count() or 1
-    return max(0, cores - torch.get_num_threads()) / cores
 
 
 def lookup_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,7 @@ def test_pq_kmeans_time_budget_stops_after_the_minimum_iterations():
 def test_pq_adaptive_iterations_on_a_cpu_without_idle_cores(monkeypatch):
     """On a CPU whose every core runs torch's threads no core is idle during the prefill: each layer gets the
     official minimum of 3 iterations, reported in ``layer_stats``; a fixed ``kmeans_iters`` is not timed."""
-    monkeypatch.setattr(pq.os, "cpu_count", lambda: torch.get_num_threads())
+    monkeypatch.setattr("os.cpu_count", lambda: torch.get_num_threads())
     model = build_tiny("tiny-llama", 2, 4)
     _, cache = generate_with(model, _ids(400), 3, "pqcache", budget=24)
     assert all(cache.method.layer_stats(st) == {"kmeans_iterations": 3.0} for st in cache.states)
@@ -308,9 +308,28 @@ def test_simhash_codes_are_the_sign_bits_of_each_table_in_any_chunking():
     x, proj = torch.randn(2, 37, 16, generator=g), torch.randn(16, 5, 6, generator=g)
     signs = torch.einsum("hnd,dlk->hnlk", x, proj) > 0
     plain = sum(signs[..., b].long() * 2 ** b for b in range(6))  # [2, 37, 5]
-    for chunk in (1, 7, 256):
-        assert torch.equal(mp.simhash(x, proj, chunk=chunk), plain)
-    assert torch.equal(mp.simhash(x[0, 0], proj), plain[0, 0])  # a single vector keeps its shape [L]
+    assert torch.equal(mp.simhash(x, proj).long(), plain)
+    assert torch.equal(mp.simhash(x[0, 0], proj).long(), plain[0, 0])  # a single vector keeps its shape [L]
+    assert torch.equal(mp.simhash(x[1], proj).long(), plain[1])  # [n, d]: one code row per vector
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_simhash_in_the_inputs_dtype_is_the_sign_of_its_product(dtype, monkeypatch):
+    """Hashing in the model's dtype (the official bf16 ``hash_func``): small integers make every product and
+    sum exact in each dtype, so the codes must equal the sign bits of the exact product, zeros included; the
+    products are chunked (3 rows at a time here) and packed into a table-major buffer."""
+    from baselines import simhash_tables
+
+    monkeypatch.setattr(simhash_tables, "ROWS_PER_PRODUCT", 3)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-2, 3, (3, 11, 16), generator=g).to(dtype)
+    proj = torch.randint(-2, 3, (16, 7, 5), generator=g).float()
+    signs = torch.einsum("hnd,dlk->hnlk", x.double(), proj.double()) > 0
+    plain = sum(signs[..., b].long() * 2 ** b for b in range(5))
+    codes = mp.simhash(x, proj)
+    assert codes.dtype == torch.int16 and torch.equal(codes.long(), plain)
+    assert codes.transpose(1, 2).is_contiguous()  # [H, L, n]: what build_tables sorts, without a copy
+    assert mp.simhash(torch.ones(2, 16, dtype=dtype), torch.ones(16, 3, 16)).dtype == torch.int32  # K > 15
 
 
 def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
@@ -318,10 +337,11 @@ def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
     ``n_bits`` gives the same tables as the inferred one."""
     g = torch.Generator().manual_seed(1)
     for n_bits in (1, 4, 11):
-        codes = torch.randint(0, 2 ** n_bits, (2, 5, 333), generator=g)
+        codes = torch.randint(0, 2 ** n_bits, (3, 5, 333), generator=g)  # 15 rows: an odd last row
         want_codes, want_order = codes.sort(dim=-1, stable=True)
-        for got_codes, got_order in (mp.build_tables(codes), mp.build_tables(codes, n_bits + 2)):
-            assert torch.equal(got_codes, want_codes) and torch.equal(got_order, want_order)
+        for got_codes, got_order in (mp.build_tables(codes), mp.build_tables(codes.short(), n_bits + 2)):
+            assert got_order.dtype == torch.int32
+            assert torch.equal(got_codes.long(), want_codes) and torch.equal(got_order.long(), want_order)
 
 
 def test_bucket_lookup_equals_brute_force_collision_count():
@@ -478,6 +498,58 @@ def test_magicpig_records_k_and_expected_sample_size_per_layer():
         assert 0 < stats["expected_samples"][st.layer_idx] <= 30  # calibration met the target
     _, official = generate_with(model, _ids(300), 4, "magicpig_official", budget=64)
     assert {official.method_stats()["lsh_bits"][i] for i in (1, 3)} == {10.0}
+
+
+def test_magicpig_calibration_picks_the_smallest_k_whose_expected_sample_fits():
+    """The bisection over K returns what a scan of every K from 0 up returns, for targets from 'everything' to
+    'less than any K gives'; the expected size is recomputed here from its definition (mean over query heads
+    of sum_j P[Binomial(L, p_j^K) >= 2])."""
+    g = torch.Generator().manual_seed(3)
+    spec = ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=4096)
+    st = mp.PigState(1)
+    st.calib_q = torch.randn(4, 16, generator=g)
+    centred = torch.randn(2, 500, 16, generator=g) + 0.3 * st.calib_q.view(2, 2, 16)[:, :1]
+    cos = torch.cosine_similarity(centred.repeat_interleave(2, 0), st.calib_q[:, None], dim=-1)
+
+    def expected(bits):
+        p = mp.collision_probability(cos, bits)
+        return float(mp.inclusion_probability(p, 20, 2).sum(-1).mean())
+
+    sizes = [expected(bits) for bits in range(13)]
+    for target_budget in (520, 300, 100, 40, 12, 7):
+        method = mp.MagicPIG(budget=target_budget, n_tables=20, max_bits=12, local_window=2)
+        method.bind(spec)
+        target = method.sample_target
+        fits = [bits for bits, size in enumerate(sizes) if size <= target]
+        bits, size = method.choose_bits(st, centred, centred.norm(dim=-1))
+        assert bits == (fits[0] if fits else 12)
+        assert size == pytest.approx(sizes[bits], rel=1e-6)
+
+
+def test_magicpig_builds_the_same_tables_inline_and_in_the_background(monkeypatch):
+    """The build's place (inline at the end of each layer's prefill, or on the background worker) changes
+    nothing but timing: the same tables and the same generation. ``None`` builds inline on a CPU whose cores
+    all run torch's threads, in the background when one is idle."""
+    submitted = []
+    real_submit = mp.MagicPIG.submit_background
+    monkeypatch.setattr(mp.MagicPIG, "submit_background", lambda self, st, *job: submitted.append(st.layer_idx)
+                        or real_submit(self, st, *job))
+    model = build_tiny("tiny-llama", 2, 4)
+    runs = {flag: generate_with(model, _ids(300), 6, "magicpig", budget=64, background_build=flag)
+            for flag in (False, True)}
+    assert submitted == [1, 3]  # the sparse layers, only with background_build=True
+    for cores, expected in ((torch.get_num_threads(), []), (torch.get_num_threads() + 1, [1, 3])):
+        submitted.clear()
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        generate_with(model, _ids(300), 2, "magicpig", budget=64)
+        assert submitted == expected
+    (out_a, cache_a), (out_b, cache_b) = runs[False], runs[True]
+    assert torch.equal(out_a.sequences, out_b.sequences)
+    for a, b in zip(cache_a.states, cache_b.states):
+        if a.sorted_codes is not None:
+            assert torch.equal(a.sorted_codes, b.sorted_codes) and torch.equal(a.order, b.order)
+    with pytest.raises(ValueError, match="background_build"):
+        make_method("magicpig", budget=64, background_build="yes")
 
 
 def test_magicpig_warns_once_when_no_k_meets_the_target():
