@@ -4,7 +4,9 @@ query's colliding keys.
 
 Precision follows the official code: the projections are one Gaussian matrix in the model's dtype
 (``hash_func = torch.randn(head_dim, K * L, dtype=bfloat16)``), the centred keys are hashed in that dtype,
-codes are stored as int16 (int32 here when ``K > 15``) and the sorted key ids as int32. On a CPU with
+codes are stored as int16 (int32 here when ``K > 15``) and the sorted key ids as int32 (int16 here while the
+store holds fewer than 2^15 keys: the tables are most of MagicPIG's memory, 3 x 150 x 8k entries per layer at
+8k tokens, and on this VM a freshly touched page costs 5-8 us, ~0.2 s of TT2T per 100 MB). On a CPU with
 AVX512-BF16 the bf16 product is ~4x faster than fp32 (one layer's 8k keys at K = 11, L = 150: 7-8 vs 30 ms,
 2 threads, "AMD EPYC" family 26); a model run in fp32 hashes in fp32.
 """
@@ -75,19 +77,25 @@ def _pack_sign_bits(product, n_tables, n_bits, codes, offset):
                 codes[t, offset + r] = block[r - r0, t]
 
 
+def id_dtype(n_keys: int) -> torch.dtype:
+    """int16 key ids for stores of fewer than 2^15 keys, int32 beyond (the official int32)."""
+    return torch.int16 if n_keys <= np.iinfo(np.int16).max + 1 else torch.int32
+
+
 def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bucket tables: per (KV head, table) the codes sorted and the int32 key ids in that order (``codes [H_kv,
-    L, n]``, as the official ``build_table``). On CPU a stable counting sort over the ``2^K`` buckets
+    """Bucket tables: per (KV head, table) the codes sorted and the key ids in that order (``codes [H_kv, L, n]``,
+    as the official ``build_table``; ids in :func:`id_dtype`). On CPU a stable counting sort over the ``2^K`` buckets
     (:func:`_bucket_sort`; one layer's 8k keys at L = 150, K = 11: 90-100 ms with ``torch.sort``); elsewhere
     ``torch.sort``. ``n_bits`` (``K``) defaults to the bits the largest code needs."""
     codes = codes.contiguous()
     if codes.device.type != "cpu" or codes.numel() == 0:
         sorted_codes, order = codes.sort(dim=-1, stable=True)
-        return sorted_codes, order.to(torch.int32)
+        return sorted_codes, order.to(id_dtype(codes.shape[-1]))
     if n_bits is None:
         n_bits = int(codes.max()).bit_length()
     rows = codes.view(-1, codes.shape[-1]).numpy()
-    sorted_codes, order = np.empty_like(rows), np.empty(rows.shape, dtype=np.int32)
+    sorted_codes = np.empty_like(rows)
+    order = torch.empty(rows.shape, dtype=id_dtype(rows.shape[1])).numpy()
     _bucket_sort(rows, 1 << n_bits, sorted_codes, order)
     return torch.from_numpy(sorted_codes).view(codes.shape), torch.from_numpy(order).view(codes.shape)
 

@@ -334,14 +334,20 @@ def test_simhash_in_the_inputs_dtype_is_the_sign_of_its_product(dtype, monkeypat
 
 def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
     """The CPU counting sort equals a stable ``torch.sort`` (codes and key order), whatever ``K``; an explicit
-    ``n_bits`` gives the same tables as the inferred one."""
+    ``n_bits`` gives the same tables as the inferred one; key ids are int16 up to 2^15 keys, int32 beyond."""
+    from baselines import simhash_tables
+
     g = torch.Generator().manual_seed(1)
     for n_bits in (1, 4, 11):
         codes = torch.randint(0, 2 ** n_bits, (3, 5, 333), generator=g)  # 15 rows: an odd last row
         want_codes, want_order = codes.sort(dim=-1, stable=True)
         for got_codes, got_order in (mp.build_tables(codes), mp.build_tables(codes.short(), n_bits + 2)):
-            assert got_order.dtype == torch.int32
+            assert got_order.dtype == torch.int16  # fewer than 2^15 keys
             assert torch.equal(got_codes.long(), want_codes) and torch.equal(got_order.long(), want_order)
+    many = torch.randint(0, 2 ** 11, (1, 2, 40_000), generator=g)  # past 2^15 keys: int32 ids
+    got_codes, got_order = mp.build_tables(many, 11)
+    assert got_order.dtype == torch.int32 and torch.equal(got_order.long(), many.sort(dim=-1, stable=True)[1])
+    assert simhash_tables.id_dtype(2 ** 15) == torch.int16 and simhash_tables.id_dtype(2 ** 15 + 1) == torch.int32
 
 
 def test_bucket_lookup_equals_brute_force_collision_count():

@@ -24,6 +24,7 @@ def test_isolated_cells_record_peak_rss_and_resume_skips_finished_cells(tmp_path
     assert set(row["breakdown"]) == {"select", "transfer", "attention", "update", "other"}
     assert first["environment"]["isolate"] and first["environment"]["threads"] == 1
     assert row["omp_wait"] == "spin 300000"  # libgomp's default spin, set explicitly in the cell
+    assert row["warmup_prompt_tokens"] == 96  # min(length, 4 x budget): one untimed generation came first
     capsys.readouterr()
     second = bench(out, "--methods", "full", "streaming_llm", "--isolate", "--resume")
     printed = capsys.readouterr().out
