@@ -53,7 +53,7 @@ from icecache.kv.attention import attention_logits, expand_heads
 from icecache.offload import to_store
 
 from .common import keep_sinks_and_recent, scaled_layers, spare_cpu_share
-from .simhash_tables import bit_major, build_tables, lookup, simhash
+from .simhash_tables import BucketTables, bit_major, build_tables, lookup, simhash
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
 OFFICIAL_BITS, OFFICIAL_TABLES = 10, 150  # models/attnserver.py LSHSparseAttnServer(K=10, L=150)
@@ -132,8 +132,7 @@ class PigState(LayerState):
         self.store_v: torch.Tensor | None = None
         self.mu: torch.Tensor | None = None
         self.knorm: torch.Tensor | None = None
-        self.sorted_codes: torch.Tensor | None = None
-        self.order: torch.Tensor | None = None
+        self.tables: BucketTables | None = None
         self.n_bits = 0
         self.expected_samples: float | None = None  # at n_bits, for the last prompt query (mean over heads)
         self.calib_q: torch.Tensor | None = None
@@ -233,8 +232,9 @@ class MagicPIG(KVMethod):
         if not self.is_budgeted(st.layer_idx) or n_mid <= 0:
             return
         mid = slice(self.n_sink, self.n_sink + n_mid)
-        st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])
+        st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])  # on CPU views of the prefill K/V
         keep_sinks_and_recent(st, self.n_sink, self.local)  # the prompt's sinks and local window stay resident
+        st.buffers.clear()  # the store may alias them: generated tokens go to buffers of their own
         background = self.background_build
         if background is None:
             background = spare_cpu_share(self.spec.device) > 0
@@ -251,7 +251,7 @@ class MagicPIG(KVMethod):
         st.knorm = centred.norm(dim=-1)
         st.n_bits, st.expected_samples = self.choose_bits(st, centred, st.knorm)
         codes = self.hash_codes(centred.to(st.store_k.dtype), st.n_bits)  # [H_kv, n, L], a table-major view
-        st.sorted_codes, st.order = build_tables(codes.transpose(1, 2), st.n_bits)
+        st.tables = build_tables(codes.transpose(1, 2), st.n_bits)
 
     def choose_bits(self, st: PigState, centred: torch.Tensor, norms: torch.Tensor) -> tuple[int, float | None]:
         """``(K, expected sample size at K)``. With ``calibrate``: the smallest ``K`` whose expected sample size
@@ -309,7 +309,7 @@ class MagicPIG(KVMethod):
         q_host = q[:, 0].detach().float().cpu()
         codes = self.hash_codes(q_host.to(st.store_k.dtype), st.n_bits)  # [H_q, L], as the keys were hashed
         codes = codes.reshape(self.spec.n_kv_heads, self.spec.group, -1).transpose(1, 2).contiguous()
-        return lookup(st.sorted_codes, st.order, codes, self.min_collisions)
+        return lookup(st.tables, codes, self.min_collisions)
 
     def fetch(self, st: PigState, selection: torch.Tensor | None) -> Fetched:
         if selection is None:

@@ -3,14 +3,18 @@
 query's colliding keys.
 
 Precision follows the official code: the projections are one Gaussian matrix in the model's dtype
-(``hash_func = torch.randn(head_dim, K * L, dtype=bfloat16)``), the centred keys are hashed in that dtype,
-codes are stored as int16 (int32 here when ``K > 15``) and the sorted key ids as int32 (int16 here while the
-store holds fewer than 2^15 keys: the tables are most of MagicPIG's memory, 3 x 150 x 8k entries per layer at
-8k tokens, and on this VM a freshly touched page costs 5-8 us, ~0.2 s of TT2T per 100 MB). On a CPU with
-AVX512-BF16 the bf16 product is ~4x faster than fp32 (one layer's 8k keys at K = 11, L = 150: 7-8 vs 30 ms,
-2 threads, "AMD EPYC" family 26); a model run in fp32 hashes in fp32.
+(``hash_func = torch.randn(head_dim, K * L, dtype=bfloat16)``), the centred keys are hashed in that dtype and
+codes are int16 (int32 here when ``K > 15``). On a CPU with AVX512-BF16 the bf16 product is ~4x faster than
+fp32 (one layer's 8k keys at K = 11, L = 150: 7-8 vs 30 ms, 2 threads, "AMD EPYC" family 26); a model run in
+fp32 hashes in fp32. The tables are most of MagicPIG's memory (3 x 150 x 8k entries per layer at 8k tokens), and
+on a VM a freshly touched page costs 5-8 us (~0.2 s of TT2T per 100 MB at 8k), so they are kept small: key ids
+int16 while the store holds at most 2^15 keys (the official int32 beyond), and on CPU the buckets as offsets
+(``2^K + 1`` per table) instead of the sorted codes (``n`` per table) whenever ``2^K <= n``
+(:class:`BucketTables`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -82,31 +86,57 @@ def id_dtype(n_keys: int) -> torch.dtype:
     return torch.int16 if n_keys <= np.iinfo(np.int16).max + 1 else torch.int32
 
 
-def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bucket tables: per (KV head, table) the codes sorted and the key ids in that order (``codes [H_kv, L, n]``,
-    as the official ``build_table``; ids in :func:`id_dtype`). On CPU a stable counting sort over the ``2^K`` buckets
-    (:func:`_bucket_sort`; one layer's 8k keys at L = 150, K = 11: 90-100 ms with ``torch.sort``); elsewhere
-    ``torch.sort``. ``n_bits`` (``K``) defaults to the bits the largest code needs."""
+@dataclass
+class BucketTables:
+    """One layer's bucket tables, per (KV head, table): ``order [H_kv, L, n]``, the key ids grouped by bucket
+    (stably: by id within a bucket), and where each bucket lies in them, either as ``offsets [H_kv, L, 2^K + 1]``
+    (bucket ``c`` is ``order[..., offsets[c]:offsets[c + 1]]``; built on CPU when the ``2^K`` buckets are no more
+    than the keys, the usual case: the calibrated ``K`` is 9-13 for 2k-128k keys) or as the codes in that order,
+    ``sorted_codes [H_kv, L, n]``, searched by bisection (the official ``build_table``; on CUDA, and for ``K``
+    past ``log2 n``). The offsets take ``2^K / n`` of the sorted codes' memory and no gather to build."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor | None = None
+    sorted_codes: torch.Tensor | None = None
+
+    def bucket_bounds(self, q_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first slot, length)`` in ``order`` of each query code's bucket (int64, ``q_codes``' shape
+        ``[H_kv, L, G]``)."""
+        if self.offsets is not None:
+            codes = q_codes.long()
+            start = self.offsets.gather(-1, codes).long()
+            return start, self.offsets.gather(-1, codes + 1).long() - start
+        codes = q_codes.to(self.sorted_codes.dtype)
+        start = torch.searchsorted(self.sorted_codes, codes)
+        return start, torch.searchsorted(self.sorted_codes, codes, right=True) - start
+
+
+def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> BucketTables:
+    """:class:`BucketTables` of ``codes [H_kv, L, n]`` (the official ``build_table``; key ids in :func:`id_dtype`).
+    On CPU with ``2^K <= n``: a stable counting sort over the ``2^K`` buckets (:func:`_bucket_sort`, bucket
+    offsets; one layer's 8k keys at ``L = 150, K = 11``: 90-100 ms with ``torch.sort``); else a stable
+    ``torch.sort`` (sorted codes). ``n_bits`` (``K``) defaults to the bits the largest code needs."""
     codes = codes.contiguous()
-    if codes.device.type != "cpu" or codes.numel() == 0:
-        sorted_codes, order = codes.sort(dim=-1, stable=True)
-        return sorted_codes, order.to(id_dtype(codes.shape[-1]))
+    n = codes.shape[-1]
     if n_bits is None:
-        n_bits = int(codes.max()).bit_length()
-    rows = codes.view(-1, codes.shape[-1]).numpy()
-    sorted_codes = np.empty_like(rows)
-    order = torch.empty(rows.shape, dtype=id_dtype(rows.shape[1])).numpy()
-    _bucket_sort(rows, 1 << n_bits, sorted_codes, order)
-    return torch.from_numpy(sorted_codes).view(codes.shape), torch.from_numpy(order).view(codes.shape)
+        n_bits = int(codes.max()).bit_length() if codes.numel() else 0
+    if codes.device.type != "cpu" or codes.numel() == 0 or (1 << n_bits) > n:
+        sorted_codes, order = codes.sort(dim=-1, stable=True)
+        return BucketTables(order.to(id_dtype(n)), sorted_codes=sorted_codes)
+    rows = codes.view(-1, n).numpy()
+    order = torch.empty(rows.shape, dtype=id_dtype(n))
+    offsets = torch.empty(rows.shape[0], (1 << n_bits) + 1, dtype=id_dtype(n + 1))
+    _bucket_sort(rows, order.numpy(), offsets.numpy())
+    return BucketTables(order.view(codes.shape), offsets=offsets.view(*codes.shape[:-1], -1))
 
 
 @njit(cache=True, nogil=True)
-def _bucket_sort(codes, n_buckets, sorted_codes, order):
-    """Stable counting sort of each row of ``codes`` (values in ``[0, n_buckets)``): histogram, prefix sums,
-    key ids scattered to their bucket's next slot, sorted codes gathered; O(n + 2^K) per row. Two rows at a
-    time, so that two independent chains of counter updates overlap (one row at a time: 2x as long; an odd
-    last row is paired with itself, both chains then write the same values)."""
-    n = codes.shape[1]
+def _bucket_sort(codes, order, offsets):
+    """Stable counting sort of each row of ``codes`` (values in ``[0, n_buckets)``, ``n_buckets = offsets.shape[1]
+    - 1``): histogram, prefix sums (the row's ``offsets``), key ids scattered to their bucket's next slot; O(n +
+    2^K) per row. Two rows at a time, so that two independent chains of counter updates overlap (one row at a
+    time: 2x as long; an odd last row is paired with itself, both chains then write the same values)."""
+    n, n_buckets = codes.shape[1], offsets.shape[1] - 1
     start = np.empty((2, n_buckets + 1), dtype=np.int32)
     for r0 in range(0, codes.shape[0], 2):
         r1 = min(r0 + 1, codes.shape[0] - 1)
@@ -118,31 +148,27 @@ def _bucket_sort(codes, n_buckets, sorted_codes, order):
         for b in range(n_buckets):
             next_a[b + 1] += next_a[b]
             next_b[b + 1] += next_b[b]
+        offsets[r0], offsets[r1] = next_a, next_b
         order_a, order_b = order[r0], order[r1]
         for i in range(n):
             code_a, code_b = row_a[i], row_b[i]
             slot_a, slot_b = next_a[code_a], next_b[code_b]
             next_a[code_a], next_b[code_b] = slot_a + 1, slot_b + 1
             order_a[slot_a], order_b[slot_b] = i, i
-        for j in range(n):
-            sorted_codes[r0, j], sorted_codes[r1, j] = row_a[order_a[j]], row_b[order_b[j]]
 
 
-def lookup(sorted_codes: torch.Tensor, order: torch.Tensor, q_codes: torch.Tensor, min_collisions: int) -> torch.Tensor:
-    """Candidate mask ``[H_kv * G, n]``: keys sharing the query's bucket in ``>= min_collisions`` tables.
-
-    ``sorted_codes, order: [H_kv, L, n]``; ``q_codes: [H_kv, L, G]`` (the ``G`` query heads of a group)."""
-    h_kv, n_tables, n = order.shape
+def lookup(tables: BucketTables, q_codes: torch.Tensor, min_collisions: int) -> torch.Tensor:
+    """Candidate mask ``[H_kv * G, n]``: keys sharing the query's bucket in ``>= min_collisions`` tables
+    (``q_codes: [H_kv, L, G]``, the ``G`` query heads of each group)."""
+    h_kv, n_tables, n = tables.order.shape
     group = q_codes.shape[-1]
-    q_codes = q_codes.to(sorted_codes.dtype)
-    start = torch.searchsorted(sorted_codes, q_codes).flatten()  # rows ordered (kv, table, g)
-    lengths = torch.searchsorted(sorted_codes, q_codes, right=True).flatten() - start
-    rows = torch.arange(lengths.numel(), device=order.device)
+    start, lengths = (x.flatten() for x in tables.bucket_bounds(q_codes))  # rows ordered (kv, table, g)
+    rows = torch.arange(lengths.numel(), device=start.device)
     row_of_hit = rows.repeat_interleave(lengths)
     first_hit = lengths.cumsum(0) - lengths
-    within = torch.arange(row_of_hit.numel(), device=order.device) - first_hit[row_of_hit]
+    within = torch.arange(row_of_hit.numel(), device=start.device) - first_hit[row_of_hit]
     table_row = row_of_hit // group  # (kv, table)
-    keys = order.reshape(-1)[table_row * n + start[row_of_hit] + within].long()
+    keys = tables.order.reshape(-1)[table_row * n + start[row_of_hit] + within].long()
     q_head = (row_of_hit // (n_tables * group)) * group + row_of_hit % group
     counts = torch.bincount(q_head * n + keys, minlength=h_kv * group * n)
     return counts.reshape(h_kv * group, n) >= min_collisions

@@ -253,7 +253,7 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
 def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
     """Issue 21, item 5: once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
     keep the device prefill buffer alive (a prefix view did), and the generated tail lives in its own
-    small buffer rather than being written into that one."""
+    small buffer rather than being written into that one. On CPU the store is that buffer's memory itself."""
     import gc
     import weakref
 
@@ -268,8 +268,10 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
         method.prefill(st, q, k, v)
     sparse = states[1]
     prefill_buffers = [weakref.ref(sparse.buffers[name]) for name in ("k", "v", "pos")]
+    prefill_k_memory = sparse.buffers["k"].untyped_storage().data_ptr()
     for st in states:
         method.finish_prefill(st)
+    assert sparse.store_k.untyped_storage().data_ptr() == prefill_k_memory  # on CPU the store is that memory: no copy
     gc.collect()
     assert all(ref() is None for ref in prefill_buffers), "the sparse layer's prefill buffer is still alive"
     prompt_bytes = 2 * n * 8 * 4
@@ -283,6 +285,30 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
     assert sparse.k.shape[1] == 3 and torch.equal(sparse.pos, torch.arange(n, n + 3))
     assert sparse.store_k.shape == (2, n, 8) and torch.equal(sparse.store_k, k)  # the offload copy holds the prompt
     assert states[0].k.untyped_storage().nbytes() >= prompt_bytes  # the dense filter layer keeps its buffer
+
+
+def test_magicpig_store_is_the_prefill_memory_and_decoding_never_writes_into_it():
+    """On CPU the offload store is a view of the layer's prefill K/V (no copy, :func:`icecache.offload.to_store`);
+    the resident sinks, local window and generated tokens get buffers of their own, so the store still holds
+    the prompt's middle tokens after decoding."""
+    method = mp.MagicPIG(budget=24, local_window=6, dense_layers=[], calibrate=False, n_bits=3, n_tables=8)
+    method.bind(ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
+    st = method.new_state(0)
+    g = torch.Generator().manual_seed(0)
+    n = 200
+    q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
+    st.n_seen = n
+    method.prefill(st, q, k, v)
+    prefill_memory = [st.buffers[name].untyped_storage().data_ptr() for name in ("k", "v")]
+    method.finish_prefill(st)
+    assert [t.untyped_storage().data_ptr() for t in (st.store_k, st.store_v)] == prefill_memory
+    for _ in range(5):
+        q1, k1, v1 = (torch.randn(h, 1, 8, generator=g) for h in (4, 2, 2))
+        st.n_seen += 1
+        method.decode(st, q1, k1, v1, PhaseTimer())
+    assert torch.equal(st.store_k, k[:, 4:n - 6]) and torch.equal(st.store_v, v[:, 4:n - 6])
+    assert torch.equal(st.pos, torch.cat([torch.arange(4), torch.arange(n - 6, n + 5)]))
+    assert st.k.untyped_storage().data_ptr() not in prefill_memory
 
 
 def test_simhash_collision_rate_matches_theory():
@@ -332,31 +358,50 @@ def test_simhash_in_the_inputs_dtype_is_the_sign_of_its_product(dtype, monkeypat
     assert mp.simhash(torch.ones(2, 16, dtype=dtype), torch.ones(16, 3, 16)).dtype == torch.int32  # K > 15
 
 
+def _check_tables(tables, codes, n_bits):
+    """``tables`` group ``codes [H, L, n]`` stably by code: the key order of a stable ``torch.sort``, and bucket
+    offsets (CSR) when ``2^K <= n``, else the sorted codes."""
+    want_codes, want_order = codes.long().sort(dim=-1, stable=True)
+    assert torch.equal(tables.order.long(), want_order)
+    n = codes.shape[-1]
+    assert (tables.offsets is not None) == (2 ** n_bits <= n) and (tables.sorted_codes is None) == (2 ** n_bits <= n)
+    if tables.offsets is not None:
+        sizes = torch.stack([torch.bincount(row, minlength=2 ** n_bits) for row in codes.long().view(-1, n)])
+        want_offsets = torch.cat([torch.zeros(sizes.shape[0], 1, dtype=torch.long), sizes.cumsum(-1)], -1)
+        assert torch.equal(tables.offsets.long().view(-1, 2 ** n_bits + 1), want_offsets)
+    else:
+        assert torch.equal(tables.sorted_codes.long(), want_codes)
+
+
 def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
-    """The CPU counting sort equals a stable ``torch.sort`` (codes and key order), whatever ``K``; an explicit
-    ``n_bits`` gives the same tables as the inferred one; key ids are int16 up to 2^15 keys, int32 beyond."""
+    """The CPU counting sort (bucket offsets, ``2^K <= n``) and the sorted codes beyond both group each table's
+    keys as a stable ``torch.sort``; an explicit ``K`` gives the same grouping as the inferred one; key ids are
+    int16 up to 2^15 keys, int32 beyond."""
     from baselines import simhash_tables
 
     g = torch.Generator().manual_seed(1)
-    for n_bits in (1, 4, 11):
+    for n_bits in (1, 4, 8, 11):  # 2^8 <= 333 < 2^11: both layouts
         codes = torch.randint(0, 2 ** n_bits, (3, 5, 333), generator=g)  # 15 rows: an odd last row
-        want_codes, want_order = codes.sort(dim=-1, stable=True)
-        for got_codes, got_order in (mp.build_tables(codes), mp.build_tables(codes.short(), n_bits + 2)):
-            assert got_order.dtype == torch.int16  # fewer than 2^15 keys
-            assert torch.equal(got_codes.long(), want_codes) and torch.equal(got_order.long(), want_order)
-    many = torch.randint(0, 2 ** 11, (1, 2, 40_000), generator=g)  # past 2^15 keys: int32 ids
-    got_codes, got_order = mp.build_tables(many, 11)
-    assert got_order.dtype == torch.int32 and torch.equal(got_order.long(), many.sort(dim=-1, stable=True)[1])
+        for tables, k in ((mp.build_tables(codes), n_bits), (mp.build_tables(codes.short(), n_bits + 1), n_bits + 1)):
+            assert tables.order.dtype == torch.int16  # fewer than 2^15 keys
+            _check_tables(tables, codes, k)
+    many = torch.randint(0, 2 ** 11, (1, 2, 40_000), generator=g)  # past 2^15 keys: int32 ids and offsets
+    tables = mp.build_tables(many, 11)
+    assert tables.order.dtype == tables.offsets.dtype == torch.int32
+    _check_tables(tables, many, 11)
     assert simhash_tables.id_dtype(2 ** 15) == torch.int16 and simhash_tables.id_dtype(2 ** 15 + 1) == torch.int32
 
 
-def test_bucket_lookup_equals_brute_force_collision_count():
+@pytest.mark.parametrize("n_bits", [4, 9])  # 2^4 <= 300 keys: bucket offsets; 2^9 > 300: sorted codes
+def test_bucket_lookup_equals_brute_force_collision_count(n_bits):
     g = torch.Generator().manual_seed(0)
     h_kv, group, n, d = 2, 3, 300, 16
-    proj = torch.randn(d, 20, 4, generator=g)
+    proj = torch.randn(d, 20, n_bits, generator=g)
     key_codes = mp.simhash(torch.randn(h_kv, n, d, generator=g), proj).transpose(1, 2)  # [H_kv, L, n]
     q_codes = mp.simhash(torch.randn(h_kv * group, d, generator=g), proj)  # [H_q, L]
-    got = mp.lookup(*mp.build_tables(key_codes), q_codes.reshape(h_kv, group, -1).transpose(1, 2).contiguous(), 2)
+    tables = mp.build_tables(key_codes, n_bits)
+    assert (tables.offsets is not None) == (n_bits == 4)
+    got = mp.lookup(tables, q_codes.reshape(h_kv, group, -1).transpose(1, 2).contiguous(), 2)
     brute = (key_codes.repeat_interleave(group, 0) == q_codes[..., None]).sum(1) >= 2
     assert got.any() and torch.equal(got, brute)
 
@@ -551,9 +596,11 @@ def test_magicpig_builds_the_same_tables_inline_and_in_the_background(monkeypatc
         assert submitted == expected
     (out_a, cache_a), (out_b, cache_b) = runs[False], runs[True]
     assert torch.equal(out_a.sequences, out_b.sequences)
-    for a, b in zip(cache_a.states, cache_b.states):
-        if a.sorted_codes is not None:
-            assert torch.equal(a.sorted_codes, b.sorted_codes) and torch.equal(a.order, b.order)
+    built = [(a.tables, b.tables) for a, b in zip(cache_a.states, cache_b.states) if a.tables is not None]
+    assert len(built) == 2  # the two sparse layers
+    for a, b in built:
+        for x, y in ((a.order, b.order), (a.offsets, b.offsets), (a.sorted_codes, b.sorted_codes)):
+            assert (x is None and y is None) or torch.equal(x, y)
     with pytest.raises(ValueError, match="background_build"):
         make_method("magicpig", budget=64, background_build="yes")
 
