@@ -91,9 +91,8 @@ class BucketTables:
     """One layer's bucket tables, per (KV head, table): ``order [H_kv, L, n]``, the key ids grouped by bucket
     (stably: by id within a bucket), and where each bucket lies in them, either as ``offsets [H_kv, L, 2^K + 1]``
     (bucket ``c`` is ``order[..., offsets[c]:offsets[c + 1]]``; built on CPU when the ``2^K`` buckets are no more
-    than the keys, the usual case: the calibrated ``K`` is 9-13 for 2k-128k keys) or as the codes in that order,
-    ``sorted_codes [H_kv, L, n]``, searched by bisection (the official ``build_table``; on CUDA, and for ``K``
-    past ``log2 n``). The offsets take ``2^K / n`` of the sorted codes' memory and no gather to build."""
+    than the keys, as with the official ``K = 10`` from 1,024 keys on) or as the codes in that order, ``sorted_codes
+    [H_kv, L, n]``, searched by bisection (the official ``build_table``; on CUDA, and for ``K`` past ``log2 n``). The offsets take ``2^K / n`` of the sorted codes' memory and no gather to build."""
 
     order: torch.Tensor
     offsets: torch.Tensor | None = None
