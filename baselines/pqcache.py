@@ -28,6 +28,13 @@ Budget mapping: docs/architecture.md.
   the GQA group, top-k per KV head over the candidates (tokens between the sinks and the recent
   window). Sinks + top-k + recent window are attended exactly; the top-k K/V are gathered from the
   offload store (bytes counted in ``state.bytes_moved``).
+* How the scores are computed (the selection is the official one either way): a token's group-summed
+  softmax depends only on its tuple of codes, so when the tuples are few (``(2**n_bits)**n_subvec <=``
+  :data:`JOINT_CODES_MAX`, the official 2 x 6 bits gives 4096) every tuple is scored once from per-tuple
+  token counts (:func:`joint_code_scores`) and a token's score is one lookup of its tuple's; otherwise
+  every token's logits are summed from the tables (:func:`lookup_scores`, :func:`group_probs`). The first
+  removes the per-token gathers, exponentials and group sums that made PQCache's TPOT grow with the
+  context on CPU (docs/benchmarks.md).
 * A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
 
 Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k`` (official ratios: recent_ratio 0.5 of
@@ -46,6 +53,9 @@ from icecache.kv.method import append_to_buffer
 from icecache.offload import HostKV
 
 from .common import keep_sinks_and_recent, spare_cpu_share
+
+
+JOINT_CODES_MAX = 1 << 16  # most tuples of codes scored one by one (the official 2 sub-vectors x 6 bits: 4096)
 
 
 def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
@@ -124,25 +134,63 @@ def lookup_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor)
     return scores.view(h_kv * group, -1)
 
 
-def group_topk(scores: torch.Tensor, scaling: float, n_kv_heads: int, k: int) -> torch.Tensor:
-    """PQCache's GQA selection: softmax of the scaled scores per query head, summed over the group,
-    top-``k`` per KV head. ``scores: [H_q, n]`` -> candidate indices ``[H_kv, k]`` (sorted)."""
+def group_probs(scores: torch.Tensor, scaling: float, n_kv_heads: int) -> torch.Tensor:
+    """PQCache's GQA score: softmax of the scaled scores per query head, summed over the group.
+    ``scores: [H_q, n]`` -> ``[H_kv, n]``."""
     probs = torch.softmax(scores * scaling, dim=-1)
-    per_kv = probs.reshape(n_kv_heads, -1, probs.shape[-1]).sum(1)
-    return per_kv.topk(min(k, per_kv.shape[-1]), dim=-1).indices.sort(-1).values
+    return probs.reshape(n_kv_heads, -1, probs.shape[-1]).sum(1)
+
+
+def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[H, min(k, n)]`` of the ``k`` highest ``scores: [H, n]`` per row, in increasing order."""
+    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices.sort(-1).values
+
+
+def joint_code_ids(codes: torch.Tensor, n_centroids: int) -> torch.Tensor:
+    """One id per token for its tuple of codes: ``codes [H, n, m]`` -> ``[H, n]`` (int64), the codes read as
+    the digits of a base-``n_centroids`` number, sub-vector 0 first (the order :func:`joint_code_scores` uses)."""
+    ids = codes[..., 0].long()
+    for s in range(1, codes.shape[-1]):
+        ids = ids * n_centroids + codes[..., s]
+    return ids
+
+
+def joint_code_scores(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scaling: float) -> torch.Tensor:
+    """:func:`group_probs` of :func:`lookup_scores` for every tuple of codes: ``[H_kv, C^m]`` (float64).
+
+    A token's logit is ``sum_s T[s][c_s]``, so its softmax term is ``prod_s e_s[c_s] / Z`` with
+    ``e_s[c] = exp(scaling (T[s][c] - max_c T[s][c]))`` (the shift cancels in the normalisation) and
+    ``Z = sum_tuples counts[tuple] prod_s e_s[c_s]``, the sum over the candidates grouped by tuple. The score of
+    a tuple is this summed over the query heads of the GQA group. ``counts [H_kv, C^m]``: candidates per tuple
+    (ids of :func:`joint_code_ids`). In float64: the shift is an upper bound of the candidates' largest logit,
+    not the largest itself, and float64 leaves room for it (the plain softmax works in float32)."""
+    h_kv, m, c, ds = centroids.shape
+    group = q.shape[0] // h_kv
+    tables = torch.einsum("hgsd,hscd->hgsc", q.float().reshape(h_kv, group, m, ds), centroids.float()).double()
+    e = torch.exp((tables - tables.amax(-1, keepdim=True)) * scaling)  # [H_kv, G, m, C]
+    joint = e[:, :, 0]
+    for s in range(1, m):
+        joint = (joint[..., :, None] * e[:, :, s, None, :]).flatten(-2)  # [H_kv, G, C^(s+1)]
+    z = (joint * counts[:, None]).sum(-1, keepdim=True)
+    return (joint / z).sum(1)
 
 
 class PQState(LayerState):
     """Resident (what ``resident_tokens`` counts): sinks + recent window (``k, v, pos``); the top-k are
     gathered per step and dropped after attention. Offload store: every token (``store``, a growable
     :class:`~icecache.offload.HostKV`, pinned on CUDA). PQ: ``centroids [H_kv, m, C, d/m]`` and
-    ``codes [H_kv, n_coded, m]`` (a prefix view of a growable buffer) for positions ``n_sink...``."""
+    ``codes [H_kv, n_coded, m]`` (a prefix view of a growable buffer) for positions ``n_sink...``; with joint
+    scores also their tuple ids ``code_ids [H_kv, n_coded]`` (likewise) and ``code_counts [H_kv, C^m]``, the
+    candidates per tuple among the first ``n_counted`` coded tokens."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
         self.store: HostKV | None = None
         self.centroids: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
+        self.code_ids: torch.Tensor | None = None
+        self.code_counts: torch.Tensor | None = None
+        self.n_counted = 0
         self.kmeans_iterations = 0
 
 
@@ -161,6 +209,8 @@ class PQCache(KVMethod):
         kmeans_tol: sklearn's convergence tolerance, relative to the keys' variance (official 1e-4).
         recent_ratio: share of ``budget - n_sink`` given to the recent window (official 0.5).
         seed: seed of the k-means initialisation (one torch.Generator per layer).
+        joint_scores: score each tuple of codes once when there are at most :data:`JOINT_CODES_MAX` of them
+            (module docstring; the same selection); ``False`` scores every token, as the official code does.
     """
 
     n_sink: int = 4
@@ -170,6 +220,7 @@ class PQCache(KVMethod):
     kmeans_tol: float = 1e-4
     recent_ratio: float = 0.5
     seed: int = 0
+    joint_scores: bool = True
     _last_layer_done: float | None = field(default=None, init=False, repr=False)  # finish_prefill's clock
     name: ClassVar[str] = "pqcache"
     ADAPTIVE_ITERS: ClassVar[tuple[int, int]] = (3, 300)  # the official clamp of the adaptive max_iter
@@ -181,6 +232,11 @@ class PQCache(KVMethod):
     @property
     def topk(self) -> int:
         return self.budget - self.n_sink - self.recent
+
+    @property
+    def uses_joint_scores(self) -> bool:
+        """Whether :meth:`select` scores tuples of codes (:func:`joint_code_scores`) rather than tokens."""
+        return self.joint_scores and (2 ** self.n_bits) ** self.n_subvec <= JOINT_CODES_MAX
 
     def validate(self) -> None:
         if self.n_subvec not in (1, 2, 4, 8, 16):
@@ -236,6 +292,8 @@ class PQCache(KVMethod):
         st.kmeans_iterations = int(stats["iterations"].max())
         st.centroids = centroids.reshape(h, self.n_subvec, *centroids.shape[1:]).to(self.spec.device)
         st.codes = codes.reshape(h, self.n_subvec, n).permute(0, 2, 1).to(self.spec.device)
+        if self.uses_joint_scores:
+            st.code_ids = joint_code_ids(st.codes, st.centroids.shape[2])
 
     def layer_stats(self, st: PQState) -> dict[str, float]:
         """Lloyd iterations run on this layer's prompt keys (the most of its KV heads and subspaces)."""
@@ -247,8 +305,25 @@ class PQCache(KVMethod):
         n_cand = self.n_candidates(st)
         if n_cand == 0:
             return torch.empty(self.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
-        scores = lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand])
-        return group_topk(scores, self.spec.scaling, self.spec.n_kv_heads, self.topk) + self.n_sink
+        if self.uses_joint_scores:
+            tuple_scores = joint_code_scores(q[:, 0], st.centroids, self.count_candidates(st, n_cand), self.spec.scaling)
+            scores = tuple_scores.gather(1, st.code_ids[:, :n_cand])
+        else:
+            scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), self.spec.scaling,
+                                 self.spec.n_kv_heads)
+        return topk_sorted(scores, self.topk) + self.n_sink
+
+    @staticmethod
+    def count_candidates(st: PQState, n_cand: int) -> torch.Tensor:
+        """``code_counts`` brought up to the first ``n_cand`` coded tokens (only the tokens added since the last
+        call are counted: one per step)."""
+        if st.code_counts is None:
+            st.code_counts = torch.zeros(st.code_ids.shape[0], st.centroids.shape[2] ** st.centroids.shape[1],
+                                         dtype=torch.float64, device=st.code_ids.device)
+        new = st.code_ids[:, st.n_counted:n_cand]
+        st.code_counts.scatter_add_(1, new, torch.ones(new.shape, dtype=torch.float64, device=new.device))
+        st.n_counted = n_cand
+        return st.code_counts
 
     @staticmethod
     def n_candidates(st: PQState) -> int:
@@ -293,3 +368,6 @@ class PQCache(KVMethod):
         codes = nearest_centroid(sub.reshape(h * m, t, -1), st.centroids.reshape(h * m, *st.centroids.shape[2:]))
         new = codes.reshape(h, m, t).permute(0, 2, 1)
         st.buffers["codes"], st.codes = append_to_buffer(st.buffers.get("codes"), st.codes, new)
+        if st.code_ids is not None:
+            ids = joint_code_ids(new, st.centroids.shape[2])
+            st.buffers["code_ids"], st.code_ids = append_to_buffer(st.buffers.get("code_ids"), st.code_ids, ids)

@@ -81,10 +81,53 @@ def test_pq_topk_on_exact_codes_equals_exact_topk():
     keys, q, cents, codes = _pq_problem(n=40, n_bits=6)  # 64 >= 40 keys: one centroid per key
     torch.testing.assert_close(_reconstruct(cents, codes), keys)
     scaling = 16 ** -0.5
-    got = pq.group_topk(pq.lookup_scores(q, cents, codes), scaling, 2, k=7)
+    got = pq.topk_sorted(pq.group_probs(pq.lookup_scores(q, cents, codes), scaling, 2), k=7)
     exact = torch.softmax(torch.einsum("hd,hnd->hn", q, keys.repeat_interleave(2, 0)) * scaling, -1)
     want = exact.reshape(2, 2, -1).sum(1).topk(7).indices.sort(-1).values
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m,n_bits,n", [(1, 6, 300), (2, 3, 500), (2, 6, 3000), (4, 2, 400)])
+def test_pq_joint_code_scores_equal_the_per_token_softmax(m, n_bits, n):
+    """Scoring each tuple of codes once gives every token the group-summed softmax of its PQ logits (the
+    per-token reference), and the same top-k up to ties (equal reference scores)."""
+    gen = torch.Generator().manual_seed(m * 100 + n_bits)
+    h_kv, group, d, c = 2, 3, 16, 2 ** n_bits
+    q = torch.randn(h_kv * group, d, generator=gen) * 4  # peaked softmax: tiny terms must not underflow to 0
+    cents = torch.randn(h_kv, m, c, d // m, generator=gen)
+    codes = torch.randint(0, c, (h_kv, n, m), generator=gen)
+    ids = pq.joint_code_ids(codes, c)
+    counts = torch.zeros(h_kv, c ** m, dtype=torch.float64).scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float64))
+    scaling = d ** -0.5
+    want = pq.group_probs(pq.lookup_scores(q, cents, codes), scaling, h_kv)
+    got = pq.joint_code_scores(q, cents, counts, scaling).gather(1, ids)
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-7)
+    k = 37
+    chosen, ref = pq.topk_sorted(got, k), pq.topk_sorted(want, k)
+    torch.testing.assert_close(want.gather(1, chosen).sort(-1).values, want.gather(1, ref).sort(-1).values,
+                               rtol=1e-5, atol=1e-8)
+
+
+def test_pq_joint_and_per_token_decodes_attend_the_same_mass():
+    """A decode with tuple scores and one with per-token scores retrieve tokens of the same reference
+    score at every step (fed the same query, on the same state), and the tuple counts follow the candidates."""
+    model = build_tiny("tiny-llama", 2, 4)
+    _, cache = generate_with(model, _ids(300), 6, "pqcache", budget=24)
+    method = cache.method
+    per_token = pq.PQCache(budget=24, joint_scores=False)
+    per_token.bind(method.spec)
+    q = torch.randn(method.spec.n_q_heads, 1, method.spec.head_dim, generator=torch.Generator().manual_seed(0))
+    for st in cache.states:
+        n_cand = method.n_candidates(st)
+        joint, token = method.select(st, q), per_token.select(st, q)
+        want = pq.group_probs(pq.lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), method.spec.scaling,
+                              method.spec.n_kv_heads)
+        torch.testing.assert_close(want.gather(1, joint - 4).sort(-1).values,
+                                   want.gather(1, token - 4).sort(-1).values)
+        ids = pq.joint_code_ids(st.codes[:, :n_cand], st.centroids.shape[2])
+        assert torch.equal(st.code_ids[:, :n_cand], ids)
+        assert torch.equal(st.code_counts, torch.stack([torch.bincount(i, minlength=st.code_counts.shape[1])
+                                                        for i in ids]).double())
 
 
 def test_pq_kmeans_is_seeded():
