@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 from .base import DataError, Sample, Suite
 from .passkey import GARBAGE
 from .timing import tpot_stats
+
+FILLER = "passkey filler"  # the prompt text when no essays are found
 
 
 @dataclass
@@ -39,14 +42,20 @@ class Latency(Suite):
             raise ValueError(f"latency lengths {too_long} exceed the model's {self.max_length} tokens; set "
                              "eval.beyond_max_length=true to time them anyway (quality is not measured here)")
 
-    def _text(self) -> str:
+    def text_source(self) -> str:
+        """Where the prompts are cut from: the essays file, or :data:`FILLER` when ``data_dir`` has none
+        (recorded by the decode benchmark: the text shapes the keys every index is built on)."""
         essays = None if self.data_dir is None else self.data_dir / "pg_essays" / "PaulGrahamEssays.json"
-        if essays is not None and essays.exists():
-            try:
-                return json.loads(essays.read_text())["text"]
-            except (ValueError, KeyError) as err:
-                raise DataError(f"{essays}: expected a JSON object with a 'text' field ({err})") from None
-        return " ".join([GARBAGE] * 20000)
+        return str(essays) if essays is not None and essays.exists() else FILLER
+
+    def _text(self) -> str:
+        source = self.text_source()
+        if source == FILLER:
+            return " ".join([GARBAGE] * 20000)
+        try:
+            return json.loads(Path(source).read_text())["text"]
+        except (ValueError, KeyError) as err:
+            raise DataError(f"{source}: expected a JSON object with a 'text' field ({err})") from None
 
     def samples(self) -> Iterator[Sample]:
         ids = self.tokenizer(self._text(), add_special_tokens=False)["input_ids"]

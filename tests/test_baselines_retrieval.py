@@ -10,6 +10,7 @@ from helpers import assert_matches_full, build_tiny, generate_with
 from baselines import magicpig as mp
 from baselines import omnikv as okv
 from baselines import pqcache as pq
+from evals.bench import pq_scoring
 from evals.registry import make_cache, make_method
 from icecache.kv import BudgetError, ModelSpec
 from icecache.kv.attention import attend
@@ -128,6 +129,13 @@ def test_pq_joint_and_per_token_decodes_attend_the_same_mass():
         assert torch.equal(st.code_ids[:, :n_cand], ids)
         assert torch.equal(st.code_counts, torch.stack([torch.bincount(i, minlength=st.code_counts.shape[1])
                                                         for i in ids]).double())
+
+
+def test_pq_scoring_bench_times_both_selections_and_checks_they_agree(capsys):
+    rows = pq_scoring.main(["--lengths", "300", "900", "--repeats", "3", "--budget", "64"])
+    assert [r["length"] for r in rows] == [300, 900]
+    assert all(r["same_selected_mass"] and r["joint_ms"] > 0 and r["per_token_ms"] > 0 for r in rows)
+    assert "growth_ms_per_layer" in capsys.readouterr().out
 
 
 def test_pq_kmeans_is_seeded():

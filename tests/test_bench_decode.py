@@ -23,6 +23,7 @@ def test_isolated_cells_record_peak_rss_and_resume_skips_finished_cells(tmp_path
     assert row["peak_rss_bytes"] > 50 * 2**20 and row["tpot_s"] > 0 and row["tt2t_s"] >= row["ttft_s"]
     assert set(row["breakdown"]) == {"select", "transfer", "attention", "update", "other"}
     assert first["environment"]["isolate"] and first["environment"]["threads"] == 1
+    assert first["environment"]["prompt_text"].endswith("PaulGrahamEssays.json")  # the essays, not the filler
     assert row["omp_wait"] == "spin 300000"  # libgomp's default spin, set explicitly in the cell
     assert row["warmup_prompt_tokens"] == 96  # min(length, 4 x budget): one untimed generation came first
     capsys.readouterr()
@@ -111,3 +112,4 @@ def test_median_row_of_one_run_is_that_run_and_failed_repeats_are_left_out():
     rows = [_row(0.3, other=0.1), {"error": "exit 1"}, _row(0.5, other=0.3)]
     merged = decode.median_row(rows)
     assert merged[decode.TPOT] == 0.4 and merged["breakdown"]["other"] == 0.2 and merged["runs"] == rows
+

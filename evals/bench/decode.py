@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from evals.harness import REPO_ROOT
-from evals.latency import Latency
+from evals.latency import FILLER, Latency
 from evals.registry import METHODS, make_method
 from evals.runner import generate
 from evals.timing import environment, omp_wait_record, tpot_stats
@@ -128,11 +128,24 @@ def load(args):
     return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
 
 
+def latency_suite(tokenizer, args, lengths) -> Latency:
+    return Latency(tokenizer, lengths=lengths, new_tokens=args.new_tokens, data_dir=args.data_dir,
+                   max_length=max(lengths))
+
+
 def prompts(tokenizer, args, lengths) -> dict[int, list[int]]:
     """The same natural text cut to each length (evals.latency)."""
-    suite = Latency(tokenizer, lengths=lengths, new_tokens=args.new_tokens, data_dir=args.data_dir,
-                    max_length=max(lengths))
-    return {s.meta["length"]: s.prompt_ids for s in suite.samples()}
+    return {s.meta["length"]: s.prompt_ids for s in latency_suite(tokenizer, args, lengths).samples()}
+
+
+def prompt_text(args) -> str:
+    """The text the prompts are cut from (recorded in the results' environment), with a warning when it is
+    the passkey filler: the essays were not found under ``--data-dir``."""
+    source = latency_suite(None, args, args.lengths).text_source()
+    if source == FILLER:
+        print(f"warning: no pg_essays/PaulGrahamEssays.json under {args.data_dir}: the prompts are the passkey "
+              "filler, not the essays of the documented runs (pass --data-dir)", file=sys.stderr)
+    return source
 
 
 WARMUP_NEW_TOKENS = 8
@@ -214,6 +227,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.cell:
         return run_cell(args)
+    args.prompt_text = prompt_text(args)
     warm_jit(args.methods, args.budget, args.dtype, args.device)
     results = previous_results(args)
     environment_row = results.pop("environment", {})
@@ -318,6 +332,7 @@ def print_summary(results: dict, lo: int, hi: int) -> None:
 
 def write(args, results: dict, environment_row: dict) -> None:
     env = {**environment_row, "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
+           "prompt_text": args.prompt_text,
            "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")
