@@ -6,10 +6,11 @@ tokens; everything in between is dropped for good (official ``mit-han-lab/stream
 attention, then the cache is cut to the kept set; each decode step appends the new token, attends over
 the kept set, and evicts the oldest non-sink token.
 
-Positions: by default keys keep their original RoPE positions (what kvpress and KVCache-Factory do for
-LongBench-style evaluation). ``rerotate=True`` reproduces the paper's "position shift": keys are
-attended as if at their index inside the cache and the query at the cache length, obtained by rotating
-each resident key by a position delta (a rotation by delta is itself a RoPE rotation).
+Positions (``rerotate``): by default the paper's "position shift" (Section 3.2; official
+``streaming_llm/enable_streaming_llm.py`` turns on ``pos_shift`` for every Llama-style model): keys are attended
+as if at their index inside the cache and the query at the cache length, obtained by rotating each resident key
+by a position delta (a rotation by delta is itself a RoPE rotation). ``rerotate=False`` keeps the original RoPE
+positions (what kvpress and KVCache-Factory do for LongBench-style evaluation).
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ class StreamingLLM(KVMethod):
     Args:
         budget: past tokens attended per head per step (sinks included); recent window = budget - n_sink.
         n_sink: number of initial "sink" tokens always kept (paper and official default: 4).
-        rerotate: attend with positions inside the cache (paper's pos-shift) instead of original ones.
+        rerotate: attend with positions inside the cache (paper's and official code's pos-shift, default) instead
+            of the original ones (``False``: kvpress' convention).
     """
 
     n_sink: int = 4
-    rerotate: bool = False
+    rerotate: bool = True
     name: ClassVar[str] = "streaming_llm"
 
     def validate(self) -> None:

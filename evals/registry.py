@@ -1,5 +1,9 @@
 """Methods and suites found by name: ``"module:Class"``, imported only when used.
 
+A published method's name runs its paper's configuration by default; this project's improvements are
+registered variants (``icecache_tuned``, ``icecache_reuse_rerank``, ``snapkv_pinned``, ``magicpig_calibrated``)
+whose class lists its ``deviations`` (the fields it changes) and the measurement behind each.
+
 This table sits above the library (``icecache/``) and the baselines, which never import it: adding a method
 is one file (its ``@dataclass``) and one line in :data:`METHODS`; its run configuration ``cache=<name>`` is
 generated from the dataclass (:mod:`evals.configs`).
@@ -18,15 +22,18 @@ METHODS: dict[str, str] = {
     "streaming_llm": "baselines.streaming_llm:StreamingLLM",
     "h2o": "baselines.h2o:H2O",
     "snapkv": "baselines.snapkv:SnapKV",
+    "snapkv_pinned": "baselines.snapkv:SnapKVPinned",
     "quest": "baselines.quest:Quest",
     "arkvale": "baselines.arkvale:ArkVale",
     "topk": "baselines.topk_oracle:TopKOracle",
     "pqcache": "baselines.pqcache:PQCache",
     "omnikv": "baselines.omnikv:OmniKV",
     "magicpig": "baselines.magicpig:MagicPIG",
-    "magicpig_official": "baselines.magicpig:MagicPIGOfficial",
+    "magicpig_calibrated": "baselines.magicpig:MagicPIGCalibrated",
     "icecache": "icecache.method:IceCache",
+    "icecache_tuned": "icecache.method:IceCacheTuned",
     "icecache_reuse": "icecache.reuse:IceCacheReuse",
+    "icecache_reuse_rerank": "icecache.reuse:IceCacheReuseRerank",
     "kvpress": "baselines.kvpress_adapter:KVPress",
 }
 

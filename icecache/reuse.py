@@ -10,20 +10,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from icecache.method import IceCache, IceState
-
-
-def reuse_budget_preset(budget: int) -> dict:
-    """This project's reuse defaults (docs/benchmarks.md, "IceCache(reuse) with candidates of its own"):
-    re-rank ``3 K`` of the anchor's candidates and, below 256 tokens, ``4 K`` pages of each reusing layer's own
-    bounds. Passkey at 64 tokens, 3 seeds x 2k/4k x 10 depths: 59/60 with them (IceCache 60/60); the anchor's
-    candidates alone answered 19 of the 31 of seeds 0-1. From 256 tokens the anchor's candidates only (own
-    candidates not measured there)."""
-    return {"rerank": 3, "own_candidates": 4 if budget < 256 else 0}
-
-
-# where ``rerank`` and ``own_candidates`` come from when not given, per ``preset`` (as IceCache's presets)
-REUSE_PRESETS = {"budget": reuse_budget_preset, "official": lambda budget: {"rerank": 0, "own_candidates": 0}}
+from icecache.method import IceCache, IceCacheTuned, IceState
 
 
 class ReuseState(IceState):
@@ -95,43 +82,35 @@ class IceCacheReuse(IceCache):
     Anchors (official ``check_reuse``, with the first budgeted layer ``n_dense_layers`` in place of the
     hard-coded 2): layers ``<= n_dense_layers``, then every layer with ``(l - n_dense_layers) mod N == 0``.
 
-    Re-ranking (``rerank = m >= 2``, this project's extension; ``0`` = official): the anchor's search hands
-    on ``m * K`` merged candidate pages per KV head (its own selection is their first ``K``), and each
-    reusing layer attends the ``K`` candidates on which its own queries put the most exact softmax mass
-    (:meth:`rerank_pages`, computed from the layer's own keys in its offload store). Only the anchor
-    searches the index, as in the official reuse; the transfer and the budget stay those of ``K`` pages.
-    Copying the anchor's pages loses what the reusing layers attend differently: on SmolLM2 passkey at 64
-    tokens the official reuse scores 25-30% where IceCache scores 100% (docs/benchmarks.md).
+    Every default is the official configuration (:class:`IceCache`'s, plus the official copy of the anchor's
+    pages: ``rerank=0``, ``own_candidates=0``); this project's re-ranking is the registered variant
+    ``icecache_reuse_rerank`` (:class:`IceCacheReuseRerank`).
 
-    Candidates of its own (``own_candidates = c >= 1``, this project's extension, with ``rerank``): the anchor's
-    queries need not attend what a reusing layer attends (on SmolLM2 the layers that read a pass key are not
-    the anchors, docs/benchmarks.md), so re-ranking can only choose among pages the anchor proposes. Each
-    reusing layer therefore also proposes the ``c * K`` pages of the anchor's layout with the highest Quest
-    bound of its own keys (:class:`PageBounds`: per-page min/max, the group's best query head), and re-ranks
-    the union. This is a linear scan of page metadata (``P`` pages x ``d`` per query head, about ``1 /
-    page_size`` of the keys), not a search; the metadata is updated only for pages an insert changed.
+    Re-ranking (``rerank = m >= 2``, this project's extension): the anchor's search hands on ``m * K`` merged
+    candidate pages per KV head (its own selection is their first ``K``), and each reusing layer attends the
+    ``K`` candidates on which its own queries put the most exact softmax mass (:meth:`rerank_pages`, computed
+    from the layer's own keys in its offload store). Only the anchor searches the index; the transfer and the
+    budget stay those of ``K`` pages.
+
+    Candidates of its own (``own_candidates = c >= 1``, this project's extension, with ``rerank``): each
+    reusing layer also proposes the ``c * K`` pages of the anchor's layout with the highest Quest bound of its
+    own keys (:class:`PageBounds`: per-page min/max, the group's best query head), and re-ranks the union. This
+    is a linear scan of page metadata (``P`` pages x ``d`` per query head, about ``1 / page_size`` of the keys),
+    not a search; the metadata is updated only for pages an insert changed.
 
     Args:
         n_reuse_layers: ``N``, layers sharing one anchor's selection, the anchor included (scripts: 3).
         rerank: ``0`` (official): reusing layers attend the anchor's selection; ``m >= 2``: they re-rank the
-            anchor's ``m * K`` candidates with their own queries; ``None``: preset (:data:`REUSE_PRESETS`).
+            anchor's ``m * K`` candidates with their own queries.
         own_candidates: ``0`` (official): the candidates are the anchor's; ``c >= 1``: each reusing layer adds
-            the ``c * K`` pages with the highest bound of its own keys (needs ``rerank``); ``None``: preset.
+            the ``c * K`` pages with the highest bound of its own keys (needs ``rerank``).
     """
 
     n_reuse_layers: int = 3
-    rerank: int | None = None
-    own_candidates: int | None = None
+    rerank: int = 0
+    own_candidates: int = 0
     name: ClassVar[str] = "icecache_reuse"
-
-    def __post_init__(self) -> None:
-        if self.rerank == 0 and self.own_candidates is None:  # the official copy: nothing to re-rank
-            self.own_candidates = 0
-        if self.preset in REUSE_PRESETS and self.budget is not None:
-            for key, value in REUSE_PRESETS[self.preset](self.budget).items():
-                if getattr(self, key) is None:
-                    setattr(self, key, value)
-        super().__post_init__()
+    official: ClassVar[dict] = dict(IceCache.official, n_reuse_layers=3, rerank=0, own_candidates=0)
 
     def validate(self) -> None:
         if self.n_reuse_layers < 1:
@@ -224,3 +203,33 @@ def union_rows(first: np.ndarray, second: np.ndarray) -> np.ndarray:
         row = list(dict.fromkeys(p for p in (*first[h], *second[h]) if p >= 0))
         out[h, : len(row)] = row
     return out
+
+
+@dataclass
+class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
+    """IceCache(reuse) with this project's extensions (``cache=icecache_reuse_rerank``), a registered variant of
+    :class:`IceCacheReuse`: every deviation of :class:`~icecache.method.IceCacheTuned` (``page_size`` 8 below 256
+    tokens, ``prop_to_retrieve=1``, ``candidate_rule="scored"``, ``short_prompt="offload"``,
+    ``prefill_pipeline="overlap"``, ``projection="seeded"``: the numbers are there), plus (docs/benchmarks.md, "Why IceCache(reuse) loses
+    pass keys at 64 tokens" and "IceCache(reuse) with candidates of its own"; SmolLM2-135M, passkey 2k + 4k x 10
+    depths):
+
+    - ``rerank``: 3, each reusing layer re-ranks ``3 K`` of the anchor's candidates by its own exact softmax mass.
+      The official copy of the anchor's pages answered 5/17 pass keys at 64 tokens and 8/17 at 128 (seed 0, where
+      IceCache answered every one); re-ranking 3K: 11/20 and 16/20.
+    - ``own_candidates``: 4 below 256 tokens (0 from 256 on: not measured there), the ``4 K`` pages of the
+      highest Quest bound of the layer's own keys join the pool: 59/60 at 64 tokens on seeds 0-2 (IceCache 60/60),
+      where the anchor's candidates alone answered 19 of the 31 of seeds 0-1. The scan is linear in the pages,
+      so its cost grows with the context.
+    """
+
+    rerank: int = 3
+    own_candidates: int | None = None  # resolved from the budget: 4 below 256 tokens, else 0
+    name: ClassVar[str] = "icecache_reuse_rerank"
+    extends: ClassVar[str] = "icecache_reuse"  # (the base order lets IceCacheTuned's field defaults win)
+    deviations: ClassVar[tuple] = IceCacheTuned.deviations + ("rerank", "own_candidates")
+
+    def __post_init__(self) -> None:
+        if self.own_candidates is None and self.budget is not None:
+            self.own_candidates = 4 if 0 < self.budget < 256 else 0
+        super().__post_init__()

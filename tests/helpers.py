@@ -35,14 +35,18 @@ class MethodCase:
     requires: str | None = None  # an optional package the method needs (its tests skip without it)
 
 
-# the M-DCI search visits every page, so a covering budget retrieves the whole prompt through the index
-ICECACHE_EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
+# the M-DCI search visits every page, so a covering budget retrieves the whole prompt through the index; the
+# official candidate rule (the C code's add_to_list) ranks only each level-1 node's K best children, so a page
+# none of whose keys is among them is never a candidate, whatever the budget: the exhaustive case ranks every
+# scored key (the official code never indexes a prompt the budget covers, which the default short_prompt keeps)
+ICECACHE_EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20, candidate_rule="scored")
 
 METHOD_CASES = [
     MethodCase("full", covering=dict(budget=None)),
     MethodCase("streaming_llm", covering=dict(budget=56), small=dict(budget=16), invalid=dict(n_sink=-1)),
     MethodCase("h2o", covering=dict(budget=54), small=dict(budget=16), invalid=dict(chunk_size=0)),
     MethodCase("snapkv", covering=dict(budget=54), small=dict(budget=40), invalid=dict(kernel_size=4)),
+    MethodCase("snapkv_pinned", covering=dict(budget=54), small=dict(budget=40), invalid=dict(decode_window=-1)),
     MethodCase("quest", covering=dict(budget=64), small=dict(budget=32, n_dense_layers=0),
                invalid=dict(n_dense_layers=-1)),
     # 4-token pages: 16 pages cover the 56-token context; 8 pages (2 sink, 2 window, top 4 - 3 = 1) do not
@@ -52,15 +56,19 @@ METHOD_CASES = [
     MethodCase("pqcache", covering=dict(budget=60), small=dict(budget=24), invalid=dict(n_bits=0)),
     MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
                small=dict(budget=16, filter_layers=[1], wait_layers=0), invalid=dict(selector="first")),
-    MethodCase("magicpig", covering=dict(budget=56), small=dict(budget=24), invalid=dict(n_tables=0)),
-    # the official preset samples with K = 10 whatever the budget (its budget sets the exact part only); with
-    # K = 0 the same sampled path (offload, hash, lookup, weights) is exact, which is what this row checks
-    MethodCase("magicpig_official", covering=dict(budget=56, n_bits=0), small=dict(budget=24),
+    # the official configuration samples with K = 10 whatever the budget (its budget sets the exact part only);
+    # with K = 0 the same sampled path (offload, hash, lookup, weights) is exact, which is what this row checks
+    MethodCase("magicpig", covering=dict(budget=56, n_bits=0), small=dict(budget=24), invalid=dict(n_tables=0)),
+    MethodCase("magicpig_calibrated", covering=dict(budget=56), small=dict(budget=24),
                invalid=dict(min_collisions=0)),
     MethodCase("icecache", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
                invalid=dict(gqa_candidates=-1), prompt_len=200),
+    MethodCase("icecache_tuned", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
+               invalid=dict(candidate_rule="all"), prompt_len=200),
     MethodCase("icecache_reuse", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
                invalid=dict(n_reuse_layers=0), prompt_len=200),
+    MethodCase("icecache_reuse_rerank", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),
+               invalid=dict(rerank=1), prompt_len=200),
     # generated tokens are kept (kvpress' decoding), so a budget of the prompt covers the context
     MethodCase("kvpress", covering=dict(budget=48, press="SnapKVPress", press_kwargs=dict(window_size=8)),
                small=dict(budget=16, press="ExpectedAttentionPress"), invalid=dict(press="AdaKVPress"),

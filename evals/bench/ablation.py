@@ -26,6 +26,8 @@ that files of several seeds pool.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import subprocess
 import os
 import itertools
 import json
@@ -41,53 +43,17 @@ from evals.bench.capture import build_prompt
 from evals.bench.index import model_spec
 from evals.harness import REPO_ROOT, repo_path
 from evals.passkey import Passkey
-from evals.registry import make_cache, make_method
+from evals.prefill_cache import Prefill as Prefilled
+from evals.prefill_cache import replay_refusal
+from evals.registry import make_method
 from evals.ruler import Ruler
 from evals.runner import generate
-from icecache.kv import KVMethod, compat
+from icecache.kv import KVMethod
 from icecache.kv.recall import RecallProbe, positions_mask
 from icecache.models import load_model, load_tokenizer
 
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue")
 MERGES = ("interleaved", "union", "mass", "max")
-
-
-@dataclass
-class Prefilled:
-    """One prompt's exact prefill: per-layer post-RoPE K/V ``[H_kv, n, d]`` and the last position's logits."""
-
-    prompt_ids: list[int]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    logits: torch.Tensor
-
-    @classmethod
-    @torch.inference_mode()
-    def capture(cls, model, prompt_ids: list[int]) -> "Prefilled":
-        cache = make_cache("full", model)
-        try:
-            cache.begin_prefill()
-            ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
-            logits = model(ids, use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache)).logits
-            kv = [(st.k.clone(), st.v.clone()) for st in cache.states]
-        finally:
-            cache.close()
-        return cls(list(prompt_ids), kv, logits)
-
-    def replay(self, cache, prompt_ids: list[int]) -> torch.Tensor:
-        """Fills ``cache`` (in its prefill phase) as a live prefill of ``prompt_ids`` would; returns the logits."""
-        if list(prompt_ids) != self.prompt_ids:
-            raise ValueError("Prefilled.replay: the prompt differs from the captured one")
-        method = cache.method
-        if type(method).prefill is not KVMethod.prefill:
-            raise ValueError(f"{method.name} computes statistics during prefill attention; replay supports only "
-                             "methods whose prefill stores the exact K/V (full, topk, icecache, ...)")
-        for st, (k, v) in zip(cache.states, self.kv):
-            if cache.probe is not None:  # diagnostics=recall keeps the prompt's K/V as a live prefill would
-                cache.probe.keep(st.layer_idx, k, v)
-            st.n_seen = k.shape[1]
-            method.store(st, k, v)
-            method.finish_prefill(st)
-        return self.logits
 
 
 @dataclass(frozen=True)
@@ -125,7 +91,7 @@ def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, m
 def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",),
          reranks=(0,), props=(0.8,), owns=(0,), defaults=False, baselines=()) -> list[Config]:
     """Full and top-k bounds, then (``defaults``) each method as shipped -- ``<method>[default]``, every
-    option left to its budget preset -- then each of ``baselines`` as shipped (``<name>[default]``, any
+    option left to its budget preset -- then each of ``baselines`` by its registered name (:func:`named_config`, any
     registered method whose prefill stores the exact K/V: :func:`replayable`), then every valid IceCache cell
     of the cross product (IceCache(reuse)
     once per ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0;
@@ -135,7 +101,7 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
         cells.append(Config("topk", "topk", budget))
         if defaults:
             cells += [Config(f"{method}[default]", method, budget) for method in methods]
-        cells += [Config(f"{name}[default]", name, budget) for name in baselines if name not in ("full", "topk")]
+        cells += [named_config(spec, budget) for spec in baselines if spec not in ("full", "topk")]
         for method, page, sink, merge, prop in itertools.product(methods, page_sizes, sinks, merges, props):
             scoring = {} if prop == 0.8 else {"prop_to_retrieve": prop}
             extras = ([{**scoring, "rerank": r, **({"own_candidates": o} if o else {})}
@@ -147,12 +113,25 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
     return cells
 
 
-def replayable(name: str) -> str:
-    """``name`` if its prefill is exact attention + :meth:`KVMethod.store` (:class:`Prefilled` replays it), else a ValueError."""
-    if type(make_method(name, budget=64)).prefill is not KVMethod.prefill:
-        raise ValueError(f"--baselines {name}: it computes statistics during prefill attention, so a replayed "
-                         f"prefill would change it; run it live (python run.py eval=passkey cache={name} ...)")
-    return name
+def named_config(spec: str, budget: int) -> Config:
+    """A registered method by name, its defaults (``"icecache"``, labelled ``icecache``) or with options
+    (``"topk:n_dense_layers=2"``, labelled ``topk[n_dense_layers=2]``), values read as YAML scalars."""
+    import yaml
+
+    name, _, rest = spec.partition(":")
+    options = tuple(sorted((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in rest.split(",") if kv)))
+    label = name + (f"[{','.join(f'{k}={v}' for k, v in options)}]" if options else "")
+    return Config(label, name, budget, options)
+
+
+def replayable(spec: str) -> str:
+    """``spec`` (:func:`named_config`) if its method's prefill is exact attention + :meth:`KVMethod.store`
+    or reads only the last query (:class:`Prefilled` replays it), else a ValueError."""
+    name = spec.partition(":")[0]
+    reason = replay_refusal(make_method(name, budget=64))
+    if reason is not None:
+        raise ValueError(f"--baselines {spec}: {reason} (python run.py eval=passkey cache={name} ...)")
+    return spec
 
 
 def model_max_length(name: str) -> int:
@@ -217,6 +196,7 @@ def run(args) -> Path:
     triples = suite_samples(tokenizer, args)
     print(f"{len(cells)} configurations x {len(triples)} samples ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads)", flush=True)
+    source = code_state()
     for label, suite, sample in triples:
         todo = [c for c in cells if (c.label, c.budget, label, sample.id) not in done]
         if not todo:
@@ -224,13 +204,27 @@ def run(args) -> Path:
         prefilled = Prefilled.capture(model, sample.prompt_ids)
         for cell in todo:
             row = {"config": cell.label, "budget": cell.budget, "suite": label, "id": sample.id, "task": sample.task,
-                   "options": dict(cell.options), **run_cell(model, tokenizer, suite, sample, cell, prefilled,
+                   "options": dict(cell.options), "resolved": resolved_options(cell), **source, **run_cell(model, tokenizer, suite, sample, cell, prefilled,
                                                               args.ruler_max_new_tokens, args.probe)}
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         print(f"{label} {sample.id}: done", flush=True)
     print(table(out).to_string())
     return out
+
+
+def resolved_options(cell: Config) -> dict:
+    """Every hyperparameter of the cell's method as built (presets and budget-dependent values resolved)."""
+    method = cell.build()
+    return {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init and f.name != "debug"}
+
+
+def code_state() -> dict:
+    """The commit of the code that measures, and whether tracked files differed from it."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *cmd], capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def parse_aliases(specs: list[str]) -> list[tuple[str, str, str]]:
@@ -309,7 +303,7 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
     captured budgeted layer, decode query and query head, the share of the exact (fp64) softmax attention
     over the prompt that falls on the positions the method attends, found by the method's own code
     (``finish_prefill`` on the prompt keys, then ``select`` + ``fetch`` per step and
-    :meth:`~icecache.method.IceCache.attended_positions`; the top-k oracle's own ``select``). As in the
+    :meth:`~icecache.method.IceCache.attended_positions`; the top-k oracle's ``prompt_selection``). As in the
     index benchmark, the captured prompt stands for the context (generated tokens are not captured)."""
     spec = model_spec(data)
     rows = []
@@ -344,9 +338,9 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
 def attended_mask(method: KVMethod, st, q: torch.Tensor, n: int) -> torch.Tensor:
     """``[H_q, n]`` bool: the prompt positions each query head attends at this step (the live probe's
     :func:`~icecache.kv.recall.positions_mask` of the method's own ``attended_positions``)."""
-    if method.name == "topk":
-        tokens = method.select(st, q)  # [H_q, budget + 1], the last entry the (absent) current token
-        return positions_mask(tokens[:, :-1], n, q.shape[0])
+    if method.name == "topk":  # no current token offline: every prompt key is ranked, the last one included
+        tokens = method.prompt_selection(st, q)
+        return positions_mask(method.attended_positions(st, tokens), n, q.shape[0])
     selection = method.select(st, q)
     method.fetch(st, selection)
     return positions_mask(method.attended_positions(st, selection), n, q.shape[0])
@@ -399,8 +393,8 @@ def main(argv=None) -> None:
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
     p.add_argument("--defaults", action="store_true",
                    help="add each method as shipped (<method>[default]: every option from its budget preset)")
-    p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD", help="add these methods as shipped "
-                   "(<method>[default]); only exact-attention prefills (not h2o, snapkv, magicpig, arkvale)")
+    p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD[:K=V,...]", help="add these registered "
+                   "methods by name, as shipped or with options (topk:n_dense_layers=2); only exact-attention prefills (not h2o, snapkv, magicpig, arkvale)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
