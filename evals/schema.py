@@ -44,8 +44,11 @@ class Recall(TypedDict, total=False):
 
     n_samples: int
     every: int  # decode steps between measurements
-    layers: list[int]  # the budgeted layers measured
-    recall_mean: float  # attention-mass recall, mean over every measured (sample, step, layer, query head)
+    layers: list[int]  # every layer measured: own_layers and common_layers together
+    own_layers: list[int]  # the layers the method budgets (what the plain ``<metric>_mean`` pool)
+    common_layers: list[int]  # layers common_from .. L-1 (2 by default) for every method (``<metric>_common_mean``)
+    recall_mean: float  # attention-mass recall, mean over every measured (sample, step, own layer, query head)
+    recall_common_mean: float  # the same over the common layers: comparable between methods
     error_mean: float  # relative L2 error of the attention output against exact attention
     needle_share_mean: float  # needle tasks: share of the needle's attention on attended tokens
     needle_top_mean: float  # needle tasks: how often the most-attended needle token was attended
@@ -53,7 +56,7 @@ class Recall(TypedDict, total=False):
     samples: dict[str, dict[str, float]]  # sample id -> its pooled means and p10s
 
 
-RECALL_SCALARS = ("recall_mean", "error_mean", "needle_share_mean", "needle_top_mean")
+RECALL_SCALARS = ("recall_mean", "recall_common_mean", "error_mean", "needle_share_mean", "needle_top_mean")
 
 # the timing numbers every consumer shows next to the score
 TIMING_SCALARS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens")

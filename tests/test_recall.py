@@ -103,6 +103,8 @@ def test_probe_leaves_predictions_unchanged(name):
     assert 0.0 <= rec["recall_mean"] <= 1.0 + 1e-9 and 0.0 <= rec["needle_share_mean"] <= 1.0 + 1e-9
     assert 0.0 <= rec["needle_top_mean"] <= 1.0 and rec["error_mean"] >= 0.0
     assert rec["recall_mean"] < 1.0 - 1e-6, f"{name}: a small budget should lose some attention mass"
+    assert rec["common_layers"] == [2, 3] and 0.0 <= rec["recall_common_mean"] <= 1.0 + 1e-9, name
+    assert set(rec["layers"]) == set(rec["own_layers"]) | {2, 3}, name
 
 
 @pytest.mark.parametrize("name", [c.name for c in METHOD_CASES if c.name != "full"])
@@ -113,9 +115,27 @@ def test_covering_budget_keeps_all_the_attention(name):
     rec = gen.recall
     assert rec is not None, f"{name}: no budgeted layer measured"
     assert rec["recall_mean"] == pytest.approx(1.0, abs=1e-9), name
+    assert rec["recall_common_mean"] == pytest.approx(1.0, abs=1e-9), name
     assert rec["error_mean"] < 1e-4, name
     measured_steps = -(-(case.new_tokens - 1) // 2)  # every 2nd of the new_tokens - 1 decode steps
     assert rec["per_layer"]["recall"]["n"] == [measured_steps * 4] * len(rec["layers"])  # x 4 query heads
+
+
+def test_common_layers_are_the_same_for_every_method():
+    """recall_common pools layers 2 .. L-1 whatever the method budgets: a layer of that set the method exempts
+    is measured (it attends everything: recall 1) and counted there, not in the method's own pool."""
+    own_all = run_case("topk", dict(budget=16), RecallProbe(), 48).recall
+    dense3 = run_case("topk", dict(budget=16, n_dense_layers=3), RecallProbe(), 48).recall
+    assert (own_all["own_layers"], own_all["common_layers"]) == ([0, 1, 2, 3], [2, 3])
+    assert (dense3["layers"], dense3["own_layers"], dense3["common_layers"]) == ([2, 3], [3], [2, 3])
+    per_layer = dense3["per_layer"]["recall"]
+    assert per_layer["mean"][0] == pytest.approx(1.0, abs=1e-9)
+    assert dense3["recall_mean"] == pytest.approx(per_layer["mean"][1])
+    (n2, n3), (m2, m3) = per_layer["n"], per_layer["mean"]
+    assert dense3["recall_common_mean"] == pytest.approx((m2 * n2 + m3 * n3) / (n2 + n3))
+    assert RecallProbe(common_from=3).common_from == 3
+    with pytest.raises(ValueError, match="common_from"):
+        RecallProbe(common_from=-1)
 
 
 def test_full_attention_has_no_budgeted_layer():
@@ -155,6 +175,17 @@ def test_pool_recall_weights_cases_and_keeps_per_layer_spread():
     assert pooled["per_layer"]["recall"]["mean"] == pytest.approx([0.7, 0.9])
     assert pooled["per_layer"]["recall"]["median"] == pytest.approx([0.6, 0.8])
     assert pool_recall([{"id": "x"}]) is None
+    assert "recall_common_mean" not in pooled and pooled["own_layers"] == [2, 3]  # rows from before the common set
+
+
+def test_pool_recall_pools_own_and_common_layers_separately():
+    stats = {"mean": [0.2, 1.0, 0.6], "median": [0.2, 1.0, 0.6], "p10": [0.1, 1.0, 0.5], "n": [10, 10, 30]}
+    rows = [{"id": "a", "recall": {"every": 1, "layers": [1, 2, 3], "own_layers": [1, 3], "common_layers": [2, 3],
+                                   "per_layer": {"recall": stats}}}]
+    pooled = pool_recall(rows)
+    assert (pooled["own_layers"], pooled["common_layers"]) == ([1, 3], [2, 3])
+    assert pooled["recall_mean"] == pytest.approx((0.2 * 10 + 0.6 * 30) / 40)
+    assert pooled["recall_common_mean"] == pytest.approx((1.0 * 10 + 0.6 * 30) / 40)
 
 
 def test_a_recall_run_writes_recall_json_summary_columns_and_figures(tmp_path):
@@ -171,6 +202,7 @@ def test_a_recall_run_writes_recall_json_summary_columns_and_figures(tmp_path):
     frame = collect(tmp_path / "results")
     with_recall = frame[frame["run_dir"] == str(run_dir)]
     assert float(with_recall["recall_mean"].iloc[0]) == pytest.approx(pooled["recall_mean"])
+    assert float(with_recall["recall_common_mean"].iloc[0]) == pytest.approx(pooled["recall_common_mean"])
     names = {p.name for p in make_all(tmp_path / "results")}
     assert {"recall_vs_layer_passkey_tiny-llama.png", "recall_vs_accuracy_passkey_tiny-llama.png"} <= names
 

@@ -13,7 +13,8 @@ Output (``torch.save``), the format ``evals.bench.index --keys`` reads:
 
 - ``"keys"``: per budgeted layer ``[H_kv, n, d]`` bf16 post-RoPE keys of the prompt,
 - ``"queries"``: per budgeted layer ``[steps, H_q, d]`` bf16 post-RoPE decode queries,
-- ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, official ``n_unlimited_layers``),
+- ``"layers"``: the model layer ids of these entries (2 .. L-1: IceCache exempts the first 2, official
+  ``n_unlimited_layers``; the layers the live probe's ``recall_common`` pools, docs/diagnostics.md),
 - ``"meta"``: model, ``--tokens``, prompt length, pass key, its token depth, steps, generated text.
 """
 

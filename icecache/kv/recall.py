@@ -1,8 +1,9 @@
 """Live attention-mass recall (``diagnostics=recall``): how much of the exact attention a method kept.
 
-At every ``every``-th decode step, for each budgeted layer and query head, :class:`RecallProbe` computes the
-exact softmax attention (fp64) of the step's query over the whole context -- the prompt and every token
-decoded so far, kept aside for this diagnostic only -- and measures:
+At every ``every``-th decode step, for each measured layer (the method's budgeted ones and the common set
+below) and query head, :class:`RecallProbe` computes the exact softmax attention (fp64) of the step's query
+over the whole context -- the prompt and every token decoded so far, kept aside for this diagnostic only --
+and measures:
 
 - ``recall``: the share of that attention that falls on the tokens the method attended (attention-mass
   recall: what a retrieval method's index approximates, what an eviction method's kept set preserves);
@@ -12,6 +13,14 @@ decoded so far, kept aside for this diagnostic only -- and measures:
 - on needle tasks (the suite names the needle text, e.g. the pass key): ``needle_share``, the share of the
   attention on the needle's tokens that falls on attended ones, and ``needle_top``, whether the needle token
   with the most attention was attended (1 or 0).
+
+Two poolings over layers (docs/diagnostics.md): each method's *own* budgeted layers (``recall_mean``, ...: what
+its own budget covers, so the population differs between methods: the top-k oracle counts layers 0-1, IceCache
+exempts them, MagicPIG its dense layers, OmniKV all but its sparse ones) and the layers *common* to every
+method (``recall_common_mean``, ...): layers ``common_from .. L-1`` whatever the method, ``common_from = 2``
+by default (the first two layers IceCache, Quest and OmniKV keep dense; official ``n_unlimited_layers``). A
+layer of the common set that the method exempts is measured too and counts what it attends there (the
+whole context: recall 1), so every method is compared over the same (step, layer, head) cases.
 
 The tokens a method attended are its :meth:`~icecache.kv.KVMethod.attended_positions` (original positions,
 -1 for masked slots), read between its attention and its ``observe`` (before an eviction that follows). The
@@ -31,6 +40,8 @@ from .attention import expand_heads
 from .method import append_to_buffer
 
 METRICS = ("recall", "error", "needle_share", "needle_top")
+COMMON_FROM = 2  # recall_common pools layers COMMON_FROM .. L-1 for every method (module docstring)
+POOLS = (("", "own_layers"), ("_common", "common_layers"))  # metric-name suffix, the layer set it pools
 
 
 def positions_mask(positions: torch.Tensor, n: int, n_q_heads: int) -> torch.Tensor:
@@ -78,14 +89,16 @@ def _stats(values: np.ndarray) -> dict[str, float]:
 
 
 class RecallProbe:
-    """Keeps a copy of every layer's K/V and measures, per budgeted layer, the attention-mass recall of what
-    the method attends (module docstring). ``every``: measure every ``every``-th decode step of each layer;
-    ``needle``: prompt positions of the needle tokens (empty: no needle metrics)."""
+    """Keeps a copy of every layer's K/V and measures, per budgeted layer and per layer of the common set, the
+    attention-mass recall of what the method attends (module docstring). ``every``: measure every ``every``-th
+    decode step of each layer; ``needle``: prompt positions of the needle tokens (empty: no needle metrics);
+    ``common_from``: the first layer of the common set (layers ``common_from .. L-1``)."""
 
-    def __init__(self, every: int = 1, needle: list[int] | tuple[int, ...] = ()):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"diagnostics.every must be a whole number >= 1 (decode steps), got {every!r}")
-        self.every = every
+    def __init__(self, every: int = 1, needle: list[int] | tuple[int, ...] = (), common_from: int = COMMON_FROM):
+        for key, value, least in (("diagnostics.every", every, 1), ("common_from", common_from, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{key} must be a whole number >= {least}, got {value!r}")
+        self.every, self.common_from = every, common_from
         self.needle = torch.as_tensor(sorted(set(needle)), dtype=torch.long)
         self.reset()
 
@@ -95,6 +108,7 @@ class RecallProbe:
         self.views: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
         self.steps: dict[int, int] = defaultdict(int)
         self.values: dict[int, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self.own: set[int] = set()  # the measured layers the method budgets
 
     def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Appends a copy of ``k, v: [H_kv, m, d]`` to the layer's full context (before the method sees them)."""
@@ -105,8 +119,10 @@ class RecallProbe:
     def measure(self, method, st, q: torch.Tensor, selection, out: torch.Tensor) -> None:
         """One decode step of one layer, after the method's attention (``q, out: [H_q, 1, d]``)."""
         layer = st.layer_idx
-        if not method.is_budgeted(layer):
-            return
+        if method.budget is None or not (method.is_budgeted(layer) or layer >= self.common_from):
+            return  # a method without a budget (full) is not measured
+        if method.is_budgeted(layer):
+            self.own.add(layer)
         self.steps[layer] += 1
         if (self.steps[layer] - 1) % self.every:
             return
@@ -119,51 +135,73 @@ class RecallProbe:
             self.values[layer][name].append(value.float())
 
     def summary(self) -> dict | None:
-        """What a prediction row keeps: the pooled mean (and p10) of each metric over every measured step,
-        layer and query head, and per layer (``layers``) its mean, median, p10 and number of cases. None when
-        nothing was measured (no budgeted layer, or no decode step)."""
+        """What a prediction row keeps: per metric the pooled mean (and p10) over every measured step, layer
+        and query head of the method's own budgeted layers (``<metric>_mean``, ``own_layers``) and of the
+        common layers (``<metric>_common_mean``, ``common_layers``), and per measured layer (``layers``, their
+        union) its mean, median, p10 and number of cases. None when nothing was measured (a method without a
+        budget, or no decode step)."""
         layers = sorted(self.values)
         if not layers:
             return None
-        out: dict = {"every": self.every, "layers": layers, "needle_tokens": int(self.needle.numel()),
-                     "per_layer": {}}
+        out: dict = {"every": self.every, "layers": layers, "own_layers": [i for i in layers if i in self.own],
+                     "common_layers": [i for i in layers if i >= self.common_from], "common_from": self.common_from,
+                     "needle_tokens": int(self.needle.numel()), "per_layer": {}}
         for name in METRICS:
-            per_layer = [torch.cat(self.values[i][name]).numpy() for i in layers if self.values[i].get(name)]
+            per_layer = {i: torch.cat(self.values[i][name]).numpy() for i in layers if self.values[i].get(name)}
             if not per_layer:
                 continue
-            pooled = np.concatenate(per_layer)
-            out[f"{name}_mean"], out[f"{name}_p10"] = float(pooled.mean()), float(np.percentile(pooled, 10))
-            stats = [_stats(v) for v in per_layer]
+            for suffix, key in POOLS:
+                chosen = [per_layer[i] for i in out[key] if i in per_layer]
+                if chosen:
+                    pooled = np.concatenate(chosen)
+                    out[f"{name}{suffix}_mean"] = float(pooled.mean())
+                    out[f"{name}{suffix}_p10"] = float(np.percentile(pooled, 10))
+            stats = [_stats(v) for v in per_layer.values()]
             out["per_layer"][name] = {key: [s[key] for s in stats] for key in ("mean", "median", "p10", "n")}
         return out
 
 
+def _row_pools(rec: dict) -> dict[str, set[int]]:
+    """A row's layer set per pooling suffix (rows written before the common set: own = every layer measured)."""
+    return {suffix: set(rec.get(key, rec["layers"] if key == "own_layers" else ())) for suffix, key in POOLS}
+
+
+def _layer_spread(means: dict[int, list[tuple[float, int]]]) -> dict[str, list]:
+    """Per layer: the case-weighted mean of the samples' means, their median and p10, and how many samples."""
+    rows_of = list(means.values())
+    return {"mean": [sum(m * n for m, n in ms) / sum(n for _, n in ms) if ms else None for ms in rows_of],
+            "median": [float(np.median([m for m, _ in ms])) if ms else None for ms in rows_of],
+            "p10": [float(np.percentile([m for m, _ in ms], 10)) if ms else None for ms in rows_of],
+            "n_samples": [len(ms) for ms in rows_of]}
+
+
 def pool_recall(rows: list[dict]) -> dict | None:
     """``recall.json`` of a run from its rows' ``recall`` entries: per metric, the mean over every measured
-    case of the run (pooled means, weighted by each sample's cases) and, per layer, that mean plus the
-    median and p10 *over samples* of each sample's mean in that layer; ``samples`` lists each sample's
-    pooled numbers. None when no row has one."""
+    case of the run (pooled means, weighted by each sample's cases) over the own layers (``<metric>_mean``)
+    and over the common ones (``<metric>_common_mean``) and, per layer, that mean plus the median and p10
+    *over samples* of each sample's mean in that layer; ``samples`` lists each sample's pooled numbers. None
+    when no row has one."""
     entries = [(row["id"], row["recall"]) for row in rows if row.get("recall")]
     if not entries:
         return None
     layers = sorted({layer for _, rec in entries for layer in rec["layers"]})
     out: dict = {"n_samples": len(entries), "every": entries[0][1]["every"], "layers": layers, "per_layer": {}}
+    for suffix, key in POOLS:
+        out[key] = sorted(set().union(*(_row_pools(rec)[suffix] for _, rec in entries)))
     for name in METRICS:
-        per_sample = [(rec["layers"], rec["per_layer"][name]) for _, rec in entries if name in rec["per_layer"]]
+        per_sample = [rec for _, rec in entries if name in rec["per_layer"]]
         if not per_sample:
             continue
-        means = {layer: [] for layer in layers}
-        total = count = 0.0
-        for rec_layers, stats in per_sample:
-            for layer, mean, n in zip(rec_layers, stats["mean"], stats["n"]):
+        means: dict[int, list] = {layer: [] for layer in layers}
+        sums = {suffix: [0.0, 0] for suffix, _ in POOLS}
+        for rec in per_sample:
+            pools, stats = _row_pools(rec), rec["per_layer"][name]
+            for layer, mean, n in zip(rec["layers"], stats["mean"], stats["n"]):
                 means[layer].append((mean, n))
-                total, count = total + mean * n, count + n
-        out[f"{name}_mean"] = total / count
-        rows_of = [means[layer] for layer in layers]
-        out["per_layer"][name] = {
-            "mean": [sum(m * n for m, n in ms) / sum(n for _, n in ms) if ms else None for ms in rows_of],
-            "median": [float(np.median([m for m, _ in ms])) if ms else None for ms in rows_of],
-            "p10": [float(np.percentile([m for m, _ in ms], 10)) if ms else None for ms in rows_of],
-            "n_samples": [len(ms) for ms in rows_of]}
+                for suffix in (s for s, chosen in pools.items() if layer in chosen):
+                    sums[suffix][0] += mean * n
+                    sums[suffix][1] += n
+        out.update({f"{name}{suffix}_mean": total / count for suffix, (total, count) in sums.items() if count})
+        out["per_layer"][name] = _layer_spread(means)
     out["samples"] = {sid: {k: v for k, v in rec.items() if k.endswith(("_mean", "_p10"))} for sid, rec in entries}
     return out
