@@ -20,7 +20,7 @@ from icecache.kv import BudgetError, KVMethod, UnknownNameError
 from icecache.kv.recall import RecallProbe, pool_recall
 from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry
 
-from . import results, wandb_log
+from . import prefill_cache, results, wandb_log
 from .base import DataError, resolve_budget
 from .config_check import ConfigError, check_config, check_results_dir
 from .registry import make_method, suite_class
@@ -58,6 +58,7 @@ class Plan:
     suite_cls: type
     suite_options: dict
     run_dir: Path
+    prefill: prefill_cache.PrefillStore | None = None  # prefill_cache=DIR: prompts prefilled once, then replayed
 
     def method(self, n_prompt_tokens: int) -> KVMethod:
         return make_method(self.method_name, budget=resolve_budget(self.cfg.get("budget"), n_prompt_tokens),
@@ -66,6 +67,7 @@ class Plan:
 
 def plan(cfg: dict) -> Plan:
     """Validates types, names, budget, limit, paths and data before loading anything heavy."""
+    cfg, store = prefill_cache.from_config(cfg)  # not part of the run's identity (evals/prefill_cache.py)
     cfg = check_config(cfg)
     cfg["model"] = _model_settings(cfg["model"])
     budget = cfg.get("budget")
@@ -89,7 +91,8 @@ def plan(cfg: dict) -> Plan:
     results_dir = repo_path(cfg.get("results_dir") or "results")
     check_results_dir(results_dir)
     cfg = dict(cfg, results_dir=str(results_dir), data_dir=None if data_dir is None else str(data_dir))
-    return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg))
+    return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg),
+                prefill=store)
 
 
 def _model_settings(model: dict) -> dict:
@@ -170,7 +173,8 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
         if todo or stale:
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
             results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
-            results.write_json(p.run_dir / "timing.json", pool_timing(run.rows, cfg))
+            results.write_json(p.run_dir / "timing.json",
+                               {**pool_timing(run.rows, cfg), "prefill": prefill_cache.prefill_counts(run.rows)})
             if cfg.get("diagnostics"):
                 results.write_json(p.run_dir / "recall.json", pool_recall(run.rows))
         if len(run.rows) > len(samples):
@@ -210,7 +214,8 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
-                       sampling=sample.sampling, eos_token_ids=sample.eos_token_ids, probe=probe)
+                       sampling=sample.sampling, eos_token_ids=sample.eos_token_ids, probe=probe,
+                       prefilled=p.prefill)
         timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}

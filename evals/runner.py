@@ -42,13 +42,14 @@ class Generation:
     peak_memory_bytes: int | None = None  # CUDA: max allocated during this generation (weights included)
     method_stats: dict[str, list[float | None]] = field(default_factory=dict)  # KVCache.method_stats
     recall: dict | None = None  # diagnostics=recall: RecallProbe.summary() (None without the probe)
+    prefill: str = "live"  # "replayed": the prompt's K/V came from a captured prefill (evals/prefill_cache.py)
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
                 "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
                 "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens,
                 "transfer_bytes": self.transfer_bytes, "peak_memory_bytes": self.peak_memory_bytes,
-                "method_stats": self.method_stats}
+                "method_stats": self.method_stats, "prefill": self.prefill}
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -70,11 +71,15 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     or one of ``stop_token_ids`` (never before ``min_new_tokens`` tokens), a ``stop`` string, or
     ``max_new_tokens``. EOS is the generation config's EOS ids and the tokenizer's, or ``eos_token_ids`` when
     given (``model.generate(eos_token_id=[...])`` replaces the generation config's list the same way).
-    ``prefilled`` (an :class:`evals.bench.ablation.Prefilled` of ``prompt_ids``) replays a captured prefill
-    instead of running it -- for ablations that decode one prompt under many configurations; its TTFT then
-    excludes the prefill. ``probe`` (a :class:`~icecache.kv.recall.RecallProbe`, ``diagnostics=recall``) measures
-    the attention-mass recall of every decode step; its time is the ``diagnostics`` entry of the breakdown."""
+    ``prefilled`` is a prefill source (:mod:`evals.prefill_cache`: one captured
+    :class:`~evals.prefill_cache.Prefill` or a :class:`~evals.prefill_cache.PrefillStore` on disk): ``prefilled.prefill_for(model, method, prompt_ids)``,
+    called before the clock starts, returns an object whose ``replay(cache, prompt_ids)`` fills the cache and
+    returns the logits instead of the prefill forward, or None to run the prefill live; ``Generation.prefill``
+    records which ("replayed" or "live"), and a replayed TTFT excludes the prefill. ``probe`` (a
+    :class:`~icecache.kv.recall.RecallProbe`, ``diagnostics=recall``) measures the attention-mass recall of every
+    decode step; its time is the ``diagnostics`` entry of the breakdown."""
     device = next(model.parameters()).device
+    replay = None if prefilled is None else prefilled.prefill_for(model, method, prompt_ids)
     cache = KVCache.for_model(method, model, profile=profile, probe=probe)
     kw = compat.cache_kwargs(cache)
     default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
@@ -96,10 +101,10 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     try:
         start = _now(device)
         cache.begin_prefill()
-        if prefilled is None:
+        if replay is None:
             logits = model(torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1, **kw).logits
         else:
-            logits = prefilled.replay(cache, prompt_ids)
+            logits = replay.replay(cache, prompt_ids)
         for tok in decode_ids:  # e.g. the passkey question, answered by the query-aware cache
             cache.begin_step()
             logits = model(torch.tensor([[tok]], device=device), use_cache=True, **kw).logits
@@ -131,7 +136,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             intervals_s=[b - a for a, b in zip(stamps[1:], stamps[2:])], breakdown_s=breakdown,
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-            method_stats=cache.method_stats(), recall=None if probe is None else probe.summary())
+            method_stats=cache.method_stats(), recall=None if probe is None else probe.summary(),
+            prefill="live" if replay is None else "replayed")
     finally:
         cache.close()
 

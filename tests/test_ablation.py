@@ -5,7 +5,8 @@ import pytest
 import torch
 from helpers import build_tiny
 
-from evals.bench.ablation import Prefilled, grid, icecache_config, replayable
+from evals.bench.ablation import grid, icecache_config, replayable
+from evals.prefill_cache import Prefill as Prefilled
 from evals.registry import make_method
 from evals.runner import generate
 

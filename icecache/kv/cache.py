@@ -161,6 +161,30 @@ class KVCache(compat.Cache):
             outs.append(method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def replay_prefill(self, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                       last_queries: list[torch.Tensor] | None = None) -> None:
+        """Fills the cache, in its prefill phase, as a live prefill whose exact attention produced the
+        per-layer post-RoPE ``kv`` (``[H_kv, n, d]`` each) would: layer by layer, the logical length, the probe's
+        copy, the method's :meth:`~KVMethod.store` and :meth:`~KVMethod.finish_prefill` -- what
+        :meth:`run_attention` does around the attention itself. With ``last_queries`` (``[H_q, 1, d]`` per layer,
+        the prompt's last query) the method's own :meth:`~KVMethod.prefill` runs on that one query instead of
+        ``store``, for methods whose prefill reads no other query (its attention output is discarded). The
+        tensors are only read: one captured prefill can fill the caches of many methods."""
+        if self.phase != "prefill":
+            raise RuntimeError("replay_prefill() needs a cache in its prefill phase (begin_prefill() first)")
+        if len(kv) != len(self.states):
+            raise ValueError(f"replay_prefill: {len(kv)} layers of K/V for a model of {len(self.states)} layers")
+        method = self.method
+        for i, (st, (k, v)) in enumerate(zip(self.states, kv)):
+            if self.probe is not None:
+                self.probe.keep(st.layer_idx, k, v)
+            st.n_seen += k.shape[1]
+            if last_queries is None:
+                method.store(st, k, v)
+            else:
+                method.prefill(st, last_queries[i], k, v)
+            method.finish_prefill(st)
+
     # ------------------------------------------------------------------ reporting
     def effective_tokens(self) -> list[float | None]:
         """Mean past tokens attended per head at a decode step, per layer (None before decoding); reads
