@@ -2,9 +2,16 @@
 
 ``run.py`` is the Hydra front end; this module takes a plain resolved config dict so tests, notebooks
 and sweeps can call :func:`run_eval` directly.
+
+Provenance: every process that writes rows records ``resolved.json`` in the run directory
+(:func:`resolved_record`: the method as constructed, the suite's options, the model and its checkpoint
+checksum, the commit, dirty flag and environment), and every row's timing names its commit and dirty flag, so
+a run directory alone says which configuration and which code produced it.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -18,16 +25,17 @@ import yaml
 
 from icecache.kv import BudgetError, KVMethod, UnknownNameError
 from icecache.kv.recall import RecallProbe, pool_recall
-from icecache.models import ModelUnavailableError, load_model, load_tokenizer, model_entry
+from icecache.models import (RANDOM_CONFIGS, ModelUnavailableError, load_model, load_tokenizer, model_entry,
+                             resolve_path, tiny_config)
 
 from . import prefill_cache, results, wandb_log
 from .base import DataError, resolve_budget
 from .config_check import ConfigError, check_config, check_results_dir
 from .registry import make_method, suite_class
 from .runner import generate
-from .timing import peak_memory_bytes, pool_timing
+from .timing import peak_memory_bytes, pool_timing, provenance, run_environment
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = results.REPO_ROOT
 
 # Errors caused by the user's input: reported in one line, without a traceback (run.py).
 USER_ERRORS = (ConfigError, BudgetError, UnknownNameError, DataError, ModelUnavailableError,
@@ -58,6 +66,7 @@ class Plan:
     suite_cls: type
     suite_options: dict
     run_dir: Path
+    resolved_method: dict | None = None  # results.resolved_method(cfg): the method as constructed at plan time
     prefill: prefill_cache.PrefillStore | None = None  # prefill_cache=DIR: prompts prefilled once, then replayed
 
     def method(self, n_prompt_tokens: int) -> KVMethod:
@@ -91,7 +100,7 @@ def plan(cfg: dict) -> Plan:
     results_dir = repo_path(cfg.get("results_dir") or "results")
     check_results_dir(results_dir)
     cfg = dict(cfg, results_dir=str(results_dir), data_dir=None if data_dir is None else str(data_dir))
-    return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg),
+    return Plan(cfg, name, options, suite_cls, suite_opts, results.run_dir_for(cfg), results.resolved_method(cfg),
                 prefill=store)
 
 
@@ -171,6 +180,7 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
         stale = not _up_to_date(p.run_dir, run.rows) or (cfg.get("diagnostics") and
                                                           not _recall_up_to_date(p.run_dir, run.rows))
         if todo or stale:
+            results.write_json(p.run_dir / results.RESOLVED, resolved_record(p, suite))
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
             results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
             results.write_json(p.run_dir / "timing.json",
@@ -207,23 +217,78 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
     tokenizer = suite.tokenizer
     judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
     segment = f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"  # this process's part of the run
+    code = results.git_state()  # each row names the code that wrote it (a run may be resumed by other code)
     for sample in _progress(todo, cfg, p.run_dir):
         torch.manual_seed(cfg.get("seed", 0))
         probe = _probe(cfg, suite, sample)
-        gen = generate(model, tokenizer, p.method(len(sample.prompt_ids)), sample.prompt_ids,
+        method = p.method(len(sample.prompt_ids))
+        gen = generate(model, tokenizer, method, sample.prompt_ids,
                        sample.max_new_tokens, decode_ids=sample.decode_ids, stop=sample.stop,
                        ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
                        sampling=sample.sampling, eos_token_ids=sample.eos_token_ids, probe=probe,
                        prefilled=p.prefill)
-        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment)
+        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment, **code)
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
+        record = results.method_record(method, p.method_name)
+        if record != p.resolved_method:  # a fractional budget: this prompt's own budget and presets
+            row["method"] = record
         if probe is not None:
             row["recall"] = gen.recall
         run.append(row)
         if on_row is not None:
             on_row(row)
+
+
+def resolved_record(p: Plan, suite) -> dict:
+    """``resolved.json``: what the run computes and with which code. ``method``: every init field of the method
+    as constructed, presets resolved (with a fractional budget, as built for a
+    :data:`~evals.results.PLAN_PROMPT_TOKENS`-token prompt; each row built otherwise holds its own under
+    ``method``); ``suite``: its options after defaults and its version; ``model``: :func:`model_record`;
+    ``provenance``: commit, dirty flag and environment of this process (:func:`evals.timing.provenance`)."""
+    options = suite.options if dataclasses.is_dataclass(getattr(suite, "options", None)) else None
+    return {"method": p.resolved_method,
+            "suite": {"name": p.cfg["eval"]["name"], **(dataclasses.asdict(options) if options else {}),
+                      "version": getattr(suite, "version", None)},
+            "model": model_record(p.cfg["model"]), "provenance": provenance(run_environment(p.cfg))}
+
+
+def model_record(model: dict) -> dict:
+    """The model a run loads: its name, source, path (a folder or a hub id), the folder its files were found in
+    (a hub snapshot's folder name is its revision) and :func:`checkpoint_checksum`. Tiny and random models,
+    whose weights are drawn from the seed, are identified by a sha256 of their ``config.json``."""
+    name, entry = model["name"], model_entry(model["name"], model.get("path"))
+    if entry.source in ("tiny", "random"):
+        config = tiny_config(name) if entry.source == "tiny" else RANDOM_CONFIGS[name]()
+        checksum = "config-sha256:" + hashlib.sha256(config.to_json_string().encode()).hexdigest()
+        return {"name": name, "source": entry.source, "path": None, "folder": None, "checksum": checksum}
+    where = resolve_path(name, model.get("path"))
+    folder = _checkpoint_folder(where)
+    return {"name": name, "source": entry.source, "path": where, "folder": None if folder is None else str(folder),
+            "checksum": "unknown" if folder is None else checkpoint_checksum(folder)}
+
+
+def _checkpoint_folder(where: str) -> Path | None:
+    """A local checkpoint folder, or the hub cache's snapshot folder of a hub id (None if not cached)."""
+    if Path(where).is_dir():
+        return Path(where)
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(where, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def checkpoint_checksum(folder: Path) -> str:
+    """``sha256:`` of a checkpoint's ``config.json`` bytes and each weight file's name, size and modification
+    time (``*.safetensors``, ``*.bin``): cheap at any size, as no weight is read; a rewritten file changes it,
+    and so may a copy of the same weights that does not keep the modification times."""
+    config = folder / "config.json"
+    digest = hashlib.sha256(config.read_bytes() if config.is_file() else b"")
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def _probe(cfg: dict, suite, sample) -> RecallProbe | None:

@@ -8,6 +8,14 @@ checked. ``limit`` is not part of a run's identity: every suite's ``limit`` sele
 samples, so a limited run computes the first samples of the full run, and the metrics are always
 recomputed from every row present (a ``limit=3`` rerun of a finished run changes nothing).
 
+Provenance: ``resolved.json`` records what ran (:func:`resolved_record`): the method as constructed (every
+init field after its presets resolved), the suite's options, the model's path and checksum, and the commit,
+dirty flag and environment of the process that last wrote rows; every row's timing names its commit. The
+identity of a run (directory name and ``config_hash``) is its config with the ``cache`` group replaced by the
+method's resolved fields (:func:`resolved_method`), so a change of a preset or a default that changes what a
+method computes gives a new directory, while spelling a default out (``cache.page_size=8`` where the preset
+resolves to 8) is the same run.
+
 Integrity: one process at a time writes a run directory (an exclusive ``flock`` on ``.lock``; a second
 process waits for it). A torn last line (a kill mid-write) is dropped; a malformed line elsewhere is moved
 to ``predictions.quarantine.jsonl`` and reported, and every valid row around it is kept.
@@ -15,18 +23,25 @@ to ``predictions.quarantine.jsonl`` and reported, and every valid row around it 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 # Settings that do not change what a run computes, hence not part of its identity.
 NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "limit")
 QUARANTINE = "predictions.quarantine.jsonl"
+RESOLVED = "resolved.json"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PLAN_PROMPT_TOKENS = 1 << 20  # the prompt length a fractional budget is resolved at before any prompt is known
+METHOD_TOP_LEVEL = ("budget", "debug")  # method fields set by top-level settings (budget: the name; debug: none)
 
 
 class RunDirError(RuntimeError):
@@ -45,6 +60,11 @@ def canonical(value):
 
 
 def _semantic(cfg: dict, drop: tuple[str, ...] = ()) -> str:
+    """The settings that define what a run computes, as canonical JSON: the config without
+    :data:`NON_SEMANTIC` keys, its ``cache`` group replaced by the method's resolved fields."""
+    method = resolved_method(cfg) if isinstance(cfg.get("cache"), dict) else None
+    if method is not None:
+        cfg = dict(cfg, cache={k: v for k, v in method.items() if k not in METHOD_TOP_LEVEL})
     kept = {k: v for k, v in canonical(cfg).items() if k not in NON_SEMANTIC and k not in drop}
     return json.dumps(kept, sort_keys=True, default=str)
 
@@ -59,6 +79,66 @@ def run_dir_for(cfg: dict) -> Path:
     name = f"{cfg['cache']['name']}-b{budget if budget is not None else 'none'}"
     name += "-" + hashlib.sha256(_semantic(cfg, drop=("budget",)).encode()).hexdigest()[:8]
     return Path(cfg["results_dir"]) / cfg["eval"]["name"] / cfg["model"]["name"] / name
+
+
+# ---------------------------------------------------------------- provenance: which code and configuration ran
+@functools.lru_cache(maxsize=None)
+def git_state(root: Path = REPO_ROOT) -> dict:
+    """``{"commit": <sha of HEAD>, "dirty": <tracked files modified>}`` of the checkout at ``root``, read once
+    per process (the code a process imported is the code at its start). Untracked files do not count
+    (``git status --untracked-files=no``). Both are ``"unknown"`` when ``root`` is not the top of a git
+    checkout (an installed copy, no git, a repository of another owner)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+    try:
+        top, commit = git("rev-parse", "--show-toplevel", "HEAD").split()
+        if Path(top).resolve() != Path(root).resolve():
+            raise ValueError(f"{root} is inside the checkout {top}")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": "unknown"}
+    return {"commit": commit, "dirty": dirty}
+
+
+def method_record(method, name: str | None = None) -> dict:
+    """A constructed method's configuration: every init field of its ``@dataclass`` as the instance holds it,
+    i.e. after ``__post_init__`` filled the fields its preset resolves, as plain JSON values, under ``name``
+    (the registry name, which may differ from the class's ``name``)."""
+    values = {f.name: getattr(method, f.name) for f in fields(method) if f.init}
+    return {"name": name or type(method).name, **json.loads(json.dumps(values, default=str))}
+
+
+def resolved_method(cfg: dict) -> dict | None:
+    """:func:`method_record` of the method a config's ``cache`` group builds at its budget (a fractional budget
+    resolved for a :data:`PLAN_PROMPT_TOKENS`-token prompt, as the harness checks it), or None when the group
+    cannot build one (a config the harness refuses; it is then identified by its settings as given)."""
+    from .base import resolve_budget
+    from .registry import make_method
+
+    options = dict(cfg["cache"])
+    name = options.pop("name", None)
+    try:
+        method = make_method(name, budget=resolve_budget(cfg.get("budget"), PLAN_PROMPT_TOKENS),
+                             debug=bool(cfg.get("debug")), **options)
+    except (TypeError, ValueError, ImportError):
+        return None
+    return method_record(method, name)
+
+
+def row_provenance(method, name: str | None = None) -> dict:
+    """What a benchmark row records to be traceable: ``commit`` and ``dirty`` (:func:`git_state`) and the
+    method as constructed under ``method_config`` (:func:`method_record`)."""
+    return {**git_state(), "method_config": method_record(method, name)}
+
+
+def read_resolved(run_dir: Path) -> dict | None:
+    """A run directory's ``resolved.json``, or None (a run written before it existed, or still starting)."""
+    try:
+        record = json.loads((Path(run_dir) / RESOLVED).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _umask() -> int:

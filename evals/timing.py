@@ -1,5 +1,5 @@
 """Timing of a run: the per-sample timings of ``predictions.jsonl`` pooled into ``timing.json``
-(:class:`evals.schema.Timing`), and where the run executed.
+(:class:`evals.schema.Timing`), where the run executed, and which code it ran (:func:`provenance`).
 
 TPOT is one statistic everywhere: ``tpot_s`` is the *mean* per-token interval over tokens 3..N (PQCache's
 definition, :mod:`evals.runner`), ``tpot_p50_s`` the median and ``tpot_p90_s`` the 90th percentile
@@ -14,8 +14,10 @@ import statistics
 
 import torch
 
+from icecache.hardware import cpu_info
 from icecache.models import dtype_record, resolve_dtype
 
+from .results import git_state
 from .schema import Timing
 
 
@@ -63,8 +65,24 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
         "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
         "n_process_segments": len(segments),
+        "commits": code_versions(timings),
         "environment": run_environment(cfg),
     }
+
+
+def code_versions(timings: list[dict]) -> list[str]:
+    """The commits whose code wrote the rows (``<sha>``, ``<sha>-dirty`` when tracked files were modified),
+    sorted: one entry unless a run was resumed by other code. Rows written before commits were recorded
+    count as ``unknown``."""
+    return sorted({t.get("commit", "unknown") + ("-dirty" if t.get("dirty") is True else "") for t in timings})
+
+
+def provenance(environment: dict | None = None) -> dict:
+    """Which code ran where: ``commit`` and ``dirty`` of this repository (:func:`evals.results.git_state`;
+    ``"unknown"`` outside a git checkout) and ``environment``, the record ``timing.json`` keeps (library
+    versions, CPU model, threads, device and dtype: :func:`run_environment` or :func:`environment`; default:
+    the machine and libraries alone)."""
+    return {**git_state(), "environment": machine() if environment is None else environment}
 
 
 def _mean_or_none(values: list) -> float | None:
@@ -82,16 +100,18 @@ def peak_memory_bytes() -> int:
 def environment(model) -> dict:
     """Where a loaded model runs: its device and dtype, library versions and the machine."""
     param = next(model.parameters())
-    return {**_machine(), "device": str(param.device), "dtype": str(param.dtype),
+    return {**machine(), "device": str(param.device), "dtype": str(param.dtype),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def _machine() -> dict:
+def machine() -> dict:
+    """Library versions and the machine: threads, torch, transformers, python, CPU (model name from
+    ``/proc/cpuinfo``, else the platform's), CPU count and the OpenMP wait rule."""
     import transformers
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count(),
-            "omp_wait": omp_wait_record()}
+            "processor": platform.processor() or platform.uname().machine, "cpu_model": cpu_info()[0],
+            "cpu_count": os.cpu_count(), "omp_wait": omp_wait_record()}
 
 
 def omp_wait_record() -> str:
@@ -106,6 +126,6 @@ def run_environment(cfg: dict) -> dict:
     """Where the run executed: the resolved device (``device=auto`` recorded as cpu or cuda) and dtype,
     library versions and the machine."""
     device, dtype = cfg["device"], cfg["model"].get("dtype", "auto")
-    return {**_machine(), "device": device, **dtype_record(dtype, device),  # the rule behind model.dtype=auto
+    return {**machine(), "device": device, **dtype_record(dtype, device),  # the rule behind model.dtype=auto
             "dtype": str(resolve_dtype(dtype, device)),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}

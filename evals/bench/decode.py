@@ -11,7 +11,9 @@ growth from ``--growth-from`` to ``--growth-to`` (4k -> 32k): the context-growin
 milliseconds and as a ratio (on the median TPOT), split by phase (per-token means: which phase grows
 with the context; ``other`` = step time outside the cache's phases: MLPs, projections, LM head). Writes
 ``bench_decode.json`` as ``{method: {length: {"tt2t_s", "tpot_s", "tpot_p50_s", "breakdown": {...}}}, "summary": {...},
-"environment": {...}}``.
+"environment": {...}}``. Every cell names the code and configuration it measured (:func:`evals.results.row_provenance`:
+``commit``, ``dirty`` and ``method_config``, every init field of the method as constructed, presets resolved), as
+cells of one file may come from several commits (``--resume``); ``environment`` names the writing process's.
 
 Every (method, length) cell runs in a fresh process by default (``--in-process`` to share one), so no
 cell inherits another's allocator state, threads or caches (the numba kernels are compiled once before the
@@ -62,6 +64,7 @@ import torch
 from evals.harness import REPO_ROOT
 from evals.latency import FILLER, Latency
 from evals.registry import METHODS, make_method
+from evals.results import git_state, row_provenance
 from evals.runner import generate
 from evals.timing import environment, omp_wait_record, tpot_stats
 from icecache.hardware import cpu_info
@@ -86,13 +89,14 @@ def llama_8b_random(device: str):
 
 def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
             profile: bool = False) -> dict:
-    gen = generate(model, tokenizer, make_method(method, budget=None if method == "full" else budget),
-                   prompt_ids, new_tokens, ignore_eos=True, profile=profile)
+    """One timed generation of ``method``: its timings, and the commit and resolved configuration it ran."""
+    built = make_method(method, budget=None if method == "full" else budget)
+    gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
     return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
-            "peak_memory_bytes": gen.peak_memory_bytes}
+            "peak_memory_bytes": gen.peak_memory_bytes, **row_provenance(built, method)}
 
 
 def parse_args(argv):
@@ -331,7 +335,7 @@ def print_summary(results: dict, lo: int, hi: int) -> None:
 
 
 def write(args, results: dict, environment_row: dict) -> None:
-    env = {**environment_row, "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
+    env = {**environment_row, **git_state(), "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
            "prompt_text": args.prompt_text,
            "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}

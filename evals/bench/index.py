@@ -25,6 +25,9 @@ top-``B`` set chosen at each filter layer from that layer's attention and reused
 ``omnikv_sparse`` is the same over the layers OmniKV actually budgets). H2O and SnapKV are
 not measurable from decode-only captures (their scores need the attention of the prompt's queries),
 nor is MagicPIG (a sampling estimator of the attention, not a token subset).
+
+The output names the code and configurations measured: ``commit`` and ``dirty`` (:func:`evals.results.git_state`)
+and ``method_configs`` (:func:`method_configs`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from baselines.common import sinks_and_recent
 from baselines.pqcache import PQCache
 from baselines.quest import page_min_max, page_upper_bounds
 from baselines.streaming_llm import StreamingLLM
+from evals.results import git_state, method_record
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.kv import ModelSpec
 
@@ -373,6 +377,16 @@ def machine() -> dict:
             "cpu": cpu, "python": platform.python_version()}
 
 
+def method_configs(budgets, cfg: DCIConfig) -> dict:
+    """The configurations behind the numbers: the M-DCI index's ``DCIConfig`` (the selector variants change
+    only what :func:`variants` names) and, per budget, the resolved fields of the baselines run with their own
+    code (:func:`evals.results.method_record`)."""
+    return {"dci": dataclasses.asdict(cfg),
+            **{str(b): {"pqcache": method_record(PQCache(budget=b)), "omnikv": method_record(OmniKV(budget=b)),
+                        "streaming_llm": method_record(StreamingLLM(budget=sum(BUDGETS[b]) * PAGE))}
+               for b in budgets}}
+
+
 def _ensure_passive_omp(argv) -> None:
     """Re-run under ``OMP_WAIT_POLICY=PASSIVE`` unless set: torch and numba each keep an OpenMP pool
     whose idle threads spin, and on a shared machine the spinning pools starve each other (build and
@@ -416,7 +430,8 @@ def main(argv=None) -> dict:
         print(f"  {name:<18}" + "".join(
             f"{rec[str(b)][name]['p50']:>9.3f} / {rec[str(b)][name]['p10']:.3f} ({rec[str(b)][name]['mean']:.3f})"
             for b in budgets))
-    result = {"source": src, "sizes": sizes, "recall": rec, "machine": machine()}
+    result = {"source": src, "sizes": sizes, "recall": rec, "machine": machine(), **git_state(),
+              "method_configs": method_configs(budgets, cfg)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}")

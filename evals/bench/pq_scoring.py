@@ -7,6 +7,7 @@ sub-vectors x 64 centroids), random codes over ``length`` candidates and random 
 :meth:`baselines.pqcache.PQCache.select` (``joint_scores=True``, the default, against ``False``), the ratio, and
 whether both picked tokens of the same per-token score (they differ only in ties and rounding). The growth of
 each from the first to the last length is the part of PQCache's TPOT that grows with the context, per layer.
+Each printed row names the code and both configurations it timed (``commit``, ``dirty``, ``method_configs``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import torch
 
 from baselines.pqcache import PQCache, PQState, group_probs, joint_code_ids, lookup_scores
+from evals.results import git_state, method_record
 from icecache.kv import ModelSpec
 
 SMOLLM2 = dict(n_layers=1, n_q_heads=9, n_kv_heads=3, head_dim=64, scaling=64 ** -0.5, max_position=1 << 20)
@@ -61,7 +63,8 @@ def compare(length: int, budget: int, repeats: int, seed: int = 0) -> dict:
     mass = [scores.gather(1, m.select(st, q) - m.n_sink).sum().item() for m in (joint, per_token)]
     return {"length": length, "joint_ms": round(ms_joint, 4), "per_token_ms": round(ms_token, 4),
             "joint_over_per_token": round(ms_joint / ms_token, 3),
-            "same_selected_mass": abs(mass[0] - mass[1]) <= 1e-5 * max(mass)}
+            "same_selected_mass": abs(mass[0] - mass[1]) <= 1e-5 * max(mass), **git_state(),
+            "method_configs": {"joint": method_record(joint, "pqcache"), "per_token": method_record(per_token, "pqcache")}}
 
 
 def main(argv=None) -> list[dict]:
