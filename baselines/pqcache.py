@@ -8,33 +8,43 @@ Budget mapping: docs/architecture.md.
   clustered per subspace into ``2**n_bits`` centroids (k-means, Lloyd, ``n_init=1``, initialised on
   random distinct keys, as the official sklearn worker ``compute_kmeans_worker`` of
   ``vq_method/retrieval_based/multi_core_compressor_v2.py`` does). The clustering runs on the method's
-  background worker and is awaited at the layer's first decode step (so it shows in TT2T). Iterations: as
-  the official default (``max_iter=0``, ``MultiCoreCompressor_v2.compress``), adaptive: as many as fit in the
-  layer's prefill time, clamped to ``[3, 300]``, with sklearn's earlier stop at convergence (``tol=1e-4``: summed
-  squared centroid shift <= 1e-4 x the mean per-dimension variance, or unchanged assignments). The official
-  code overlaps the clustering with the GPU prefill on otherwise idle CPU cores, from offline profiles of both
-  times; here the budget is the previous layer's measured prefill time (layer 0: the minimum 3 iterations)
-  times the share of CPU cores the prefill leaves idle (:func:`spare_cpu_share`: all of them when the model
-  runs on a GPU, none on a CPU whose cores all run torch's threads, which gives the minimum 3), and the time
-  per iteration is measured as it runs. ``kmeans_iters > 0`` is a fixed bound instead (``300``: run to
-  convergence). Measured on SmolLM2-135M keys (10 layers, 2 sub-vectors x 64 centroids, recall of the top-126
-  of the group-summed softmax against exact, 16 queries; 1 thread): at 2k tokens convergence takes 20
-  iterations on average (max 33), relative quantisation error 0.2225 vs 0.2236 and recall 0.554 vs 0.551 for a
-  fixed 10; at 6k tokens 40 iterations (max 93), error 0.2697 vs 0.2719, recall 0.495 vs 0.488, 1.19 s vs 0.26
-  s per layer (docs/fidelity.md). Fewer keys than centroids: one centroid per key (the official code skips PQ
-  and attends everything in that case; we keep the method and its budget).
+  background worker and is awaited at the layer's first decode step (so it shows in TT2T).
+* Iterations (``kmeans_iters``): by default at most 300, with sklearn's earlier stop at convergence
+  (``tol=1e-4``: summed squared centroid shift <= 1e-4 x the mean per-dimension variance, or unchanged
+  assignments): the cap and tolerance of the official sklearn call. Convergence, not the cap, ends the runs
+  (SmolLM2 keys: 20 iterations on average at 2k tokens, 32 at 4k, 48 at 8k, at most 93), so the bound is a
+  fixed number and the codebooks, codes and selections depend only on the seed, not on the machine's load or its
+  thread count (the assignment matmul, the centroid sums and the variance give the same bits with 1 to 4
+  threads; docs/fidelity.md). Why this bound: it is the codebook the official code computes whenever its time
+  budget suffices (a GPU prefill beside idle cores); a fixed 3 or 10 iterations, deterministic too, would cost
+  up to ~0.01 of recall (below). Its cost is paid on the background worker (SmolLM2 keys, one
+  CPU core: 0.45 s per layer at 4k tokens, 0.9 s at 8k, against 0.15 s for 10 iterations; docs/fidelity.md).
+  ``kmeans_iters=0`` (:attr:`PQCache.ADAPTIVE`) is the official ``max_iter=0`` (``MultiCoreCompressor_v2.compress``):
+  the official GPU pipeline overlaps the clustering with the GPU prefill on otherwise idle CPU cores and
+  gives it the iterations that fit in the layer's prefill time (from offline profiles), clamped to
+  ``[3, 300]``, still stopping at convergence. Here that budget is the previous layer's measured prefill time
+  (layer 0: the minimum 3 iterations) times the share of CPU cores the prefill leaves idle
+  (:func:`spare_cpu_share`: all of them when the model runs on a GPU, none on a CPU whose cores all run
+  torch's threads, which gives the minimum 3), the time per iteration measured as it runs: its iterations,
+  codes and selections change with the machine's load and speed (only ``method_stats.kmeans_iterations``
+  records them). Any other ``kmeans_iters > 0`` is a fixed cap (``10`` with ``kmeans_tol=0``: exactly 10).
+  Measured on SmolLM2-135M keys (10 layers, 2 sub-vectors x 64 centroids, recall of the top-126 of the
+  group-summed softmax against exact, 16 queries; 1 thread): at 2k tokens relative quantisation error 0.2225
+  at convergence vs 0.2236 for a fixed 10 and recall 0.554 vs 0.551; at 6k 0.2697 vs 0.2719 and 0.495 vs
+  0.488. Fewer keys than centroids: one centroid per key (the official code skips PQ and attends everything
+  in that case; we keep the method and its budget).
 * Decode: for each query head, lookup tables ``T[s] = q^(s) . C^(s)`` give approximate logits
   ``sum_s T[s][code_j^(s)]``; softmax per query head (scaled like the model's attention), summed over
   the GQA group, top-k per KV head over the candidates (tokens between the sinks and the recent
   window). Sinks + top-k + recent window are attended exactly; the top-k K/V are gathered from the
   offload store (bytes counted in ``state.bytes_moved``).
-* How the scores are computed (the selection is the official one either way): a token's group-summed
-  softmax depends only on its tuple of codes, so when the tuples are few (``(2**n_bits)**n_subvec <=``
-  :data:`JOINT_CODES_MAX`, the official 2 x 6 bits gives 4096) every tuple is scored once from per-tuple
-  token counts (:func:`joint_code_scores`) and a token's score is one lookup of its tuple's; otherwise
-  every token's logits are summed from the tables (:func:`lookup_scores`, :func:`group_probs`). The first
-  removes the per-token gathers, exponentials and group sums that made PQCache's TPOT grow with the
-  context on CPU (docs/benchmarks.md).
+* How the scores are computed (the official selection either way, up to ties and rounding): a token's
+  group-summed softmax depends only on its tuple of codes, so when the tuples are few
+  (``(2**n_bits)**n_subvec <=`` :data:`JOINT_CODES_MAX`, the official 2 x 6 bits gives 4096) every tuple is
+  scored once from per-tuple token counts (:func:`joint_code_scores`) and a token's score is one lookup of
+  its tuple's; otherwise every token's logits are summed from the tables (:func:`lookup_scores`,
+  :func:`group_probs`). The first removes the per-token gathers, exponentials and group sums that made
+  PQCache's TPOT grow with the context on CPU (docs/benchmarks.md).
 * A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
 
 Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k`` (official ratios: recent_ratio 0.5 of
@@ -42,6 +52,7 @@ what remains after the sinks; this harness uses 4 sinks and (B-4)/2 + (B-4)/2, d
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -76,14 +87,19 @@ def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 def kmeans(x: torch.Tensor, n_centroids: int, iters: int, generator: torch.Generator, tol: float = 0.0,
            stats: dict | None = None, time_budget_s: float | None = None, min_iters: int = 1):
     """Batched Lloyd k-means over ``P`` independent problems ``x: [P, n, ds]``, as the official sklearn
-    ``KMeans(n_init=1, init=<random distinct points>, algorithm="lloyd", tol=tol, max_iter=iters)``.
+    ``KMeans(n_init=1, init=<random distinct points>, algorithm="lloyd", tol=tol, max_iter=iters)``
+    (``multi_core_compressor_v2.py``, ``compute_kmeans_worker``).
 
     Returns ``(centroids [P, C, ds], codes [P, n])`` with ``C = min(n_centroids, n)``; an empty cluster keeps
     its previous centroid. A problem stops (and is frozen) once its assignments no longer change or, as
     sklearn, once the summed squared centroid shift is at most ``tol`` times its mean per-dimension variance;
     after ``iters`` iterations at most. ``time_budget_s`` (PQCache's adaptive bound) also stops it, after at
     least ``min_iters`` iterations, before an iteration that would end past the budget at the mean time per
-    iteration so far. ``stats`` (a dict) receives ``iterations``: ``[P]`` iterations run."""
+    iteration so far: the one input that depends on the clock. Without it the result depends only on
+    ``generator`` and ``x``: the reductions (centroid sums by ``index_add_`` in index order, the integer
+    counts, the per-column variance, the shift over ``C x ds`` values) and the assignment matmul give the same
+    bits whatever torch's thread count (1 to 4 threads, tests/test_determinism.py). ``stats`` (a dict)
+    receives ``iterations``: ``[P]`` iterations run."""
     start = time.perf_counter()
     p, n, ds = x.shape
     x = x.float()
@@ -155,24 +171,50 @@ def joint_code_ids(codes: torch.Tensor, n_centroids: int) -> torch.Tensor:
     return ids
 
 
-def joint_code_scores(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scaling: float) -> torch.Tensor:
-    """:func:`group_probs` of :func:`lookup_scores` for every tuple of codes: ``[H_kv, C^m]`` (float64).
-
-    A token's logit is ``sum_s T[s][c_s]``, so its softmax term is ``prod_s e_s[c_s] / Z`` with
-    ``e_s[c] = exp(scaling (T[s][c] - max_c T[s][c]))`` (the shift cancels in the normalisation) and
-    ``Z = sum_tuples counts[tuple] prod_s e_s[c_s]``, the sum over the candidates grouped by tuple. The score of
-    a tuple is this summed over the query heads of the GQA group. ``counts [H_kv, C^m]``: candidates per tuple
-    (ids of :func:`joint_code_ids`). In float64: the shift is an upper bound of the candidates' largest logit,
-    not the largest itself, and float64 leaves room for it (the plain softmax works in float32)."""
-    h_kv, m, c, ds = centroids.shape
+def tuple_logits(q: torch.Tensor, centroids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled PQ logits ``[H_kv, G, C^m]`` (float32) of every tuple of codes (ids of :func:`joint_code_ids`) for
+    each query head of each GQA group: ``sum_s scaling * T[s][c_s]``, the tables ``T[s] = q^(s) . C^(s)`` of
+    :func:`lookup_scores` (one batched matmul, scaled before the sum)."""
+    h_kv, m, _, ds = centroids.shape
     group = q.shape[0] // h_kv
-    tables = torch.einsum("hgsd,hscd->hgsc", q.float().reshape(h_kv, group, m, ds), centroids.float()).double()
-    e = torch.exp((tables - tables.amax(-1, keepdim=True)) * scaling)  # [H_kv, G, m, C]
-    joint = e[:, :, 0]
+    q_sub = q.float().reshape(h_kv, group, m, ds).transpose(1, 2)  # [H_kv, m, G, ds]
+    tables = torch.matmul(q_sub, centroids.float().transpose(-1, -2)).mul_(scaling)  # [H_kv, m, G, C]
+    logits = tables[:, 0]
     for s in range(1, m):
-        joint = (joint[..., :, None] * e[:, :, s, None, :]).flatten(-2)  # [H_kv, G, C^(s+1)]
-    z = (joint * counts[:, None]).sum(-1, keepdim=True)
-    return (joint / z).sum(1)
+        logits = (logits[..., :, None] + tables[:, s, :, None, :]).flatten(-2)  # [H_kv, G, C^(s+1)]
+    return logits
+
+
+def candidate_mask(counts: torch.Tensor) -> torch.Tensor:
+    """``0`` where a tuple has candidates, ``-inf`` where it has none: ``counts [H_kv, C^m]`` -> float32."""
+    return torch.zeros(counts.shape, dtype=torch.float32, device=counts.device).masked_fill_(counts <= 0, float("-inf"))
+
+
+def joint_code_scores(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scaling: float,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`group_probs` of :func:`lookup_scores` for every tuple of codes: ``[H_kv, C^m]`` (float32).
+
+    Every token of a tuple ``t`` has the logit ``l_t`` (:func:`tuple_logits`), so the softmax over the
+    candidates (official ``pq_search.py``, per token) is ``exp(l_t - M) / Z`` with
+    ``Z = sum_t counts[t] exp(l_t - M)``, the sum over the candidates grouped by tuple; a tuple's score is this
+    summed over the query heads of the GQA group. ``counts [H_kv, C^m]``: candidates per tuple; ``mask``: its
+    :func:`candidate_mask` (kept up to date by :meth:`PQCache.count_candidates`; computed when ``None``).
+    ``M`` is the largest logit of a tuple that has candidates, the per-token softmax's own shift, so
+    ``1 <= Z <= n_candidates`` whatever the logits of centroids no candidate uses (a shift by the sum of
+    per-subspace maxima over all centroids underflows ``Z`` to 0, even in float64, once an unused centroid's
+    scaled logit stands ~745 above every used one's, and every score becomes NaN); tuples without candidates,
+    never read, score 0.
+    The same selection as the per-token path up to ties and rounding. A non-finite normaliser (a non-finite
+    query or centroid) raises ``FloatingPointError`` instead of ranking NaN scores (one host read per call)."""
+    logits = tuple_logits(q, centroids, scaling)
+    logits += candidate_mask(counts)[:, None] if mask is None else mask[:, None]
+    logits -= logits.amax(-1, keepdim=True)
+    e = logits.exp_()
+    z = (e * counts[:, None].to(e.dtype)).sum(-1, keepdim=True)
+    if not math.isfinite(float(z.sum())):
+        raise FloatingPointError(f"pqcache: non-finite softmax normaliser {z.flatten().tolist()} (a non-finite "
+                                 "query or centroid)")
+    return e.div_(z).sum(1)
 
 
 class PQState(LayerState):
@@ -180,8 +222,9 @@ class PQState(LayerState):
     gathered per step and dropped after attention. Offload store: every token (``store``, a growable
     :class:`~icecache.offload.HostKV`, pinned on CUDA). PQ: ``centroids [H_kv, m, C, d/m]`` and
     ``codes [H_kv, n_coded, m]`` (a prefix view of a growable buffer) for positions ``n_sink...``; with joint
-    scores also their tuple ids ``code_ids [H_kv, n_coded]`` (likewise) and ``code_counts [H_kv, C^m]``, the
-    candidates per tuple among the first ``n_counted`` coded tokens."""
+    scores also their tuple ids ``code_ids [H_kv, n_coded]`` (likewise), ``code_counts [H_kv, C^m]``, the
+    candidates per tuple among the first ``n_counted`` coded tokens, and ``code_mask``, its
+    :func:`candidate_mask`."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layer_idx)
@@ -190,6 +233,7 @@ class PQState(LayerState):
         self.codes: torch.Tensor | None = None
         self.code_ids: torch.Tensor | None = None
         self.code_counts: torch.Tensor | None = None
+        self.code_mask: torch.Tensor | None = None
         self.n_counted = 0
         self.kmeans_iterations = 0
 
@@ -203,9 +247,10 @@ class PQCache(KVMethod):
         n_sink: initial tokens always attended (official CLI default 2, script 32; here 4, as StreamingLLM).
         n_subvec: sub-vectors per key, ``m`` (official ``SUBVEC`` = 2; one of 1, 2, 4, 8, 16).
         n_bits: bits per sub-vector code, ``2**n_bits`` centroids (official ``SUBBITS`` = 6 -> 64).
-        kmeans_iters: 0 (default, the official ``max_iter=0``): adaptive, the iterations that fit in the layer's
-            prefill time on the cores it leaves idle, clamped to [3, 300] (module docstring); > 0: a fixed
-            bound (300: run to convergence).
+        kmeans_iters: most Lloyd iterations (default 300, the official cap, with ``kmeans_tol``: run to
+            convergence, deterministic given ``seed``); 0 (:attr:`ADAPTIVE`, the official ``max_iter=0`` of its
+            GPU pipeline): the iterations that fit in the layer's prefill time on the cores it leaves idle,
+            clamped to [3, 300], which depend on the machine's load (module docstring).
         kmeans_tol: sklearn's convergence tolerance, relative to the keys' variance (official 1e-4).
         recent_ratio: share of ``budget - n_sink`` given to the recent window (official 0.5).
         seed: seed of the k-means initialisation (one torch.Generator per layer).
@@ -216,13 +261,14 @@ class PQCache(KVMethod):
     n_sink: int = 4
     n_subvec: int = 2
     n_bits: int = 6
-    kmeans_iters: int = 0
+    kmeans_iters: int = 300
     kmeans_tol: float = 1e-4
     recent_ratio: float = 0.5
     seed: int = 0
     joint_scores: bool = True
     _last_layer_done: float | None = field(default=None, init=False, repr=False)  # finish_prefill's clock
     name: ClassVar[str] = "pqcache"
+    ADAPTIVE: ClassVar[int] = 0  # kmeans_iters of the official time-budgeted bound (load-dependent)
     ADAPTIVE_ITERS: ClassVar[tuple[int, int]] = (3, 300)  # the official clamp of the adaptive max_iter
 
     @property
@@ -271,11 +317,12 @@ class PQCache(KVMethod):
 
     def kmeans_time_budget(self, st: PQState) -> float | None:
         """Adaptive bound (``kmeans_iters=0``): the previous layer's prefill time, from one ``finish_prefill`` to
-        the next, times :func:`spare_cpu_share`; 0 for layer 0 (no layer timed yet: the minimum iterations)."""
+        the next, times :func:`spare_cpu_share`; 0 for layer 0 (no layer timed yet: the minimum iterations).
+        ``None`` (no clock read) for a fixed bound, the default."""
+        if self.kmeans_iters != self.ADAPTIVE:
+            return None
         now, last = time.perf_counter(), self._last_layer_done
         self._last_layer_done = now
-        if self.kmeans_iters:
-            return None
         layer_s = 0.0 if st.layer_idx == 0 or last is None else now - last
         return layer_s * spare_cpu_share(self.spec.device)
 
@@ -306,7 +353,8 @@ class PQCache(KVMethod):
         if n_cand == 0:
             return torch.empty(self.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
         if self.uses_joint_scores:
-            tuple_scores = joint_code_scores(q[:, 0], st.centroids, self.count_candidates(st, n_cand), self.spec.scaling)
+            counts, mask = self.count_candidates(st, n_cand)
+            tuple_scores = joint_code_scores(q[:, 0], st.centroids, counts, self.spec.scaling, mask)
             scores = tuple_scores.gather(1, st.code_ids[:, :n_cand])
         else:
             scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), self.spec.scaling,
@@ -314,16 +362,18 @@ class PQCache(KVMethod):
         return topk_sorted(scores, self.topk) + self.n_sink
 
     @staticmethod
-    def count_candidates(st: PQState, n_cand: int) -> torch.Tensor:
-        """``code_counts`` brought up to the first ``n_cand`` coded tokens (only the tokens added since the last
-        call are counted: one per step)."""
+    def count_candidates(st: PQState, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(code_counts, code_mask)`` brought up to the first ``n_cand`` coded tokens (only the tokens added since
+        the last call are counted: one per step). Counts in float32: exact up to 2**24 tokens per tuple."""
         if st.code_counts is None:
-            st.code_counts = torch.zeros(st.code_ids.shape[0], st.centroids.shape[2] ** st.centroids.shape[1],
-                                         dtype=torch.float64, device=st.code_ids.device)
+            shape = (st.code_ids.shape[0], st.centroids.shape[2] ** st.centroids.shape[1])
+            st.code_counts = torch.zeros(shape, dtype=torch.float32, device=st.code_ids.device)
+            st.code_mask = torch.full(shape, float("-inf"), dtype=torch.float32, device=st.code_ids.device)
         new = st.code_ids[:, st.n_counted:n_cand]
-        st.code_counts.scatter_add_(1, new, torch.ones(new.shape, dtype=torch.float64, device=new.device))
+        st.code_counts.scatter_add_(1, new, torch.ones(new.shape, dtype=torch.float32, device=new.device))
+        st.code_mask.scatter_(1, new, 0.0)
         st.n_counted = n_cand
-        return st.code_counts
+        return st.code_counts, st.code_mask
 
     @staticmethod
     def n_candidates(st: PQState) -> int:

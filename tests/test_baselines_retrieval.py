@@ -128,7 +128,57 @@ def test_pq_joint_and_per_token_decodes_attend_the_same_mass():
         ids = pq.joint_code_ids(st.codes[:, :n_cand], st.centroids.shape[2])
         assert torch.equal(st.code_ids[:, :n_cand], ids)
         assert torch.equal(st.code_counts, torch.stack([torch.bincount(i, minlength=st.code_counts.shape[1])
-                                                        for i in ids]).double())
+                                                        for i in ids]).float())
+        assert torch.equal(st.code_mask, pq.candidate_mask(st.code_counts))
+
+
+def _extreme_unused_centroid_layer(method: pq.PQCache, n: int = 60):
+    """A decoding layer whose ``n`` candidates have distinct tuples of codes, none using centroid 0 of sub-vector
+    0; every query head's sub-vector 0 has norm 10 along that centroid, scaled to norm 400: its logit stands ~1000
+    nats above every used one, whose logits stay within a few nats (no ties, no underflow per token)."""
+    gen = torch.Generator().manual_seed(7)
+    spec, c, half = method.spec, 2 ** method.n_bits, method.spec.head_dim // 2
+    st = pq.PQState(0)
+    st.centroids = torch.randn(spec.n_kv_heads, 2, c, half, generator=gen)
+    direction = torch.nn.functional.normalize(st.centroids[:, 0, 0], dim=-1)
+    st.centroids[:, 0, 0] = 400 * direction
+    q = torch.randn(spec.n_q_heads, 1, spec.head_dim, generator=gen)
+    q[:, 0, :half] = 10 * direction.repeat_interleave(spec.group, 0)
+    ids = torch.stack([c + torch.randperm(c * c - c, generator=gen)[:n] for _ in range(spec.n_kv_heads)])
+    st.codes = torch.stack([ids // c, ids % c], dim=-1)  # sub-vector 0 never takes code 0
+    st.code_ids = pq.joint_code_ids(st.codes, c)
+    st.k = torch.zeros(spec.n_kv_heads, method.n_sink + method.recent, spec.head_dim)
+    st.n_seen = n + st.k.shape[1]
+    return st, q
+
+
+def test_pq_joint_scores_stay_finite_with_an_extreme_unused_centroid():
+    """Tuple scores shift by the largest logit of a tuple that has candidates: with an unused centroid whose
+    scaled logit is hundreds of nats above every used one (the old shift, the sum of per-subspace maxima over
+    all centroids, underflowed the normaliser even in float64: NaN scores), the scores stay finite and the
+    selection equals the per-token path's (distinct tuples: no ties)."""
+    spec = ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=4096)
+    joint, per_token = pq.PQCache(budget=24, n_bits=3), pq.PQCache(budget=24, n_bits=3, joint_scores=False)
+    for method in (joint, per_token):
+        method.bind(spec)
+    st, q = _extreme_unused_centroid_layer(joint)
+    tables = torch.einsum("hgd,hcd->hgc", q[:, 0, :8].reshape(2, 2, 8), st.centroids[:, 0]) * spec.scaling
+    assert (tables[..., 0] - tables[..., 1:].amax(-1) > 800).all()  # exp(-800) is 0 even in float64
+    assert (tables[..., 1:].amax(-1) - tables[..., 1:].amin(-1) < 20).all()  # the used logits: a few nats
+    counts, mask = joint.count_candidates(st, 60)
+    scores = pq.joint_code_scores(q[:, 0], st.centroids, counts, spec.scaling, mask)
+    assert torch.isfinite(scores).all() and (scores.gather(1, st.code_ids) > 0).any(-1).all()
+    assert torch.equal(joint.select(st, q), per_token.select(st, q))
+
+
+def test_pq_joint_scores_refuse_a_non_finite_normaliser():
+    spec = ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=4096)
+    method = pq.PQCache(budget=24, n_bits=3)
+    method.bind(spec)
+    st, q = _extreme_unused_centroid_layer(method)
+    q[1, 0, 3] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite softmax normaliser"):
+        method.select(st, q)
 
 
 def test_pq_scoring_bench_times_both_selections_and_checks_they_agree(capsys):
@@ -165,7 +215,7 @@ def reference_lloyd(x, init, iters, tol):
 
 @pytest.mark.parametrize("iters,tol", [(300, 0.0), (300, 1e-2), (3, 0.0)])
 def test_pq_kmeans_matches_sklearn_lloyd_rules_per_problem(iters, tol):
-    """The batched k-means stops each problem as sklearn's KMeans(tol, max_iter) would (issue 21, item 4)."""
+    """The batched k-means stops each problem as sklearn's KMeans(tol, max_iter) would."""
     x = torch.randn(3, 120, 4, generator=torch.Generator().manual_seed(0))
     stats = {}
     cents, codes = pq.kmeans(x, 8, iters, torch.Generator().manual_seed(5), tol=tol, stats=stats)
@@ -179,11 +229,12 @@ def test_pq_kmeans_matches_sklearn_lloyd_rules_per_problem(iters, tol):
 
 
 def test_pq_convergence_bound_never_quantises_worse_than_ten():
-    """Defaults pinned to multi_core_compressor_v2.py (max_iter=0: adaptive, clamped to [3, 300]; sklearn
-    tol=1e-4); from the same initialisation Lloyd's objective never increases, so the codebook run to
-    convergence (the cap 300) quantises at least as well as a fixed 10 iterations."""
+    """Defaults pinned to multi_core_compressor_v2.py: the cap 300 of its bound and sklearn's tol=1e-4 (run to
+    convergence); ``kmeans_iters=0`` is its adaptive ``max_iter=0``, clamped to [3, 300]. From the same
+    initialisation Lloyd's objective never increases, so the codebook run to convergence quantises at least as
+    well as a fixed 10 iterations."""
     method = pq.PQCache(budget=64)
-    assert (method.kmeans_iters, method.kmeans_tol, method.ADAPTIVE_ITERS) == (0, 1e-4, (3, 300))
+    assert (method.kmeans_iters, method.kmeans_tol, method.ADAPTIVE, method.ADAPTIVE_ITERS) == (300, 1e-4, 0, (3, 300))
     keys = torch.randn(4, 1500, 32, generator=torch.Generator().manual_seed(0))
     errors = {}
     for iters, tol in ((10, 0.0), (300, 1e-4)):
@@ -209,14 +260,17 @@ def test_pq_kmeans_time_budget_stops_after_the_minimum_iterations():
 
 
 def test_pq_adaptive_iterations_on_a_cpu_without_idle_cores(monkeypatch):
-    """On a CPU whose every core runs torch's threads no core is idle during the prefill: each layer gets the
-    official minimum of 3 iterations, reported in ``layer_stats``; a fixed ``kmeans_iters`` is not timed."""
+    """The adaptive bound (``kmeans_iters=0``) on a CPU whose every core runs torch's threads: no core is idle
+    during the prefill, so each layer gets the official minimum of 3 iterations, reported in ``layer_stats``.
+    The default, a fixed bound, reads no clock and runs every layer to convergence."""
     monkeypatch.setattr("os.cpu_count", lambda: torch.get_num_threads())
     model = build_tiny("tiny-llama", 2, 4)
-    _, cache = generate_with(model, _ids(400), 3, "pqcache", budget=24)
+    _, cache = generate_with(model, _ids(400), 3, "pqcache", budget=24, kmeans_iters=0)
     assert all(cache.method.layer_stats(st) == {"kmeans_iterations": 3.0} for st in cache.states)
     assert pq.spare_cpu_share(torch.device("cpu")) == 0.0 and pq.spare_cpu_share(torch.device("cuda")) == 1.0
-    assert pq.PQCache(budget=24, kmeans_iters=300).kmeans_time_budget(pq.PQState(1)) is None
+    assert pq.PQCache(budget=24).kmeans_time_budget(pq.PQState(1)) is None
+    _, cache = generate_with(model, _ids(400), 3, "pqcache", budget=24)
+    assert all(cache.method.layer_stats(st)["kmeans_iterations"] > 3 for st in cache.states)
 
 
 def test_pq_window_codes_and_budget_split():
