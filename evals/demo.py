@@ -1,7 +1,7 @@
 """``make demo``: the default comparison on the embedded model.
 
 Passkey retrieval at 2k and 4k tokens (4 depths each, to stay near 5 minutes on 2 cores) with budget 64 for the full cache, StreamingLLM
-and IceCache on SmolLM2-135M-Instruct; prints a table and saves ``results/demo/passkey_demo.png``.
+and IceCache (the official configuration and the ``icecache_tuned`` variant) on SmolLM2-135M-Instruct; prints a table and saves ``results/demo/passkey_demo.png``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .configs import compose_config
 from .harness import REPO_ROOT, run_eval
 from .summary import collect
 
-METHODS = ("full", "streaming_llm", "icecache")
+METHODS = ("full", "streaming_llm", "icecache", "icecache_tuned")  # the official IceCache beside our variant
 
 
 def run_demo(methods=METHODS, budget: int = 64, lengths=(2048, 4096), depths: int = 4,

@@ -54,8 +54,7 @@ def test_grid_keeps_only_valid_cells():
     assert labels == ["full", "topk", "icecache[interleaved,page=16,sink=16]",
                       "icecache[interleaved,page=8,sink=16]", "icecache[interleaved,page=8,sink=32]"]
     shipped = grid([64], merges=(), defaults=True, methods=("icecache",), baselines=("full", "quest"))
-    assert [(c.label, c.budget) for c in shipped] == [("full", None), ("topk", 64), ("icecache[default]", 64),
-                                                      ("quest[default]", 64)]
+    assert [(c.label, c.budget) for c in shipped] == [("full", None), ("topk", 64), ("icecache", 64), ("quest", 64)]
 
 
 def test_ratio_to_full_pools_seeds_and_bootstraps_paired_samples(tmp_path):

@@ -18,10 +18,12 @@ from icecache.kv.timing import PhaseTimer
 
 # Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
 # candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
-# tokens, so calibration picks K = 0: every key is a candidate with inclusion probability exactly 1.
+# tokens, so calibration picks K = 0 (the official fixed K given as 0): every key is a candidate with inclusion
+# probability exactly 1.
 COVERING = [("pqcache", dict(budget=60)),
             ("omnikv", dict(budget=48, filter_layers=[1], wait_layers=0)),
-            ("magicpig", dict(budget=56))]
+            ("magicpig", dict(budget=56, n_bits=0)),
+            ("magicpig_calibrated", dict(budget=56))]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +39,7 @@ def test_budget_covering_context_matches_full(tiny_model, method, hp):
     cache = assert_matches_full(tiny_model, method, debug=True, **hp)
     budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
     assert budgeted, "the configuration must exercise budgeted layers"
-    if method == "magicpig":  # the sampled path (K = 0, weights 1) ran, it was not all exact
+    if method.startswith("magicpig"):  # the sampled path (K = 0, weights 1) ran, it was not all exact
         assert all(s.store_k is not None and s.n_bits == 0 for s in budgeted)
     else:  # K/V were gathered from the offload store
         assert all(s.bytes_moved > 0 for s in budgeted)
@@ -619,17 +621,16 @@ def test_invalid_budgets_fail_at_config_time(method, budget):
 
 
 # ------------------------------------------------------------------------- MagicPIG: issue 21, item 3
-def test_magicpig_official_preset_is_the_official_configuration():
+def test_magicpig_default_is_the_official_configuration():
     """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
     from evals.configs import compose_config
 
-    official = make_method("magicpig_official", budget=256)
+    official = make_method("magicpig", budget=256)
     assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (10, 150, False,
                                                                                                         4, 64)
-    assert make_method("magicpig", budget=256).calibrate is True  # our extension stays the default
-    cache = compose_config(["cache=magicpig_official"])["cache"]
-    assert (cache["name"], cache["calibrate"], cache["n_bits"], cache["n_tables"]) == ("magicpig_official", False,
-                                                                                        10, 150)
+    assert make_method("magicpig_calibrated", budget=256).calibrate is True  # our extension is a named variant
+    cache = compose_config(["cache=magicpig"])["cache"]
+    assert (cache["name"], cache["calibrate"], cache["n_bits"], cache["n_tables"]) == ("magicpig", False, 10, 150)
 
 
 def test_magicpig_official_weight_cap():
@@ -642,7 +643,7 @@ def test_magicpig_official_weight_cap():
 
 def test_magicpig_records_k_and_expected_sample_size_per_layer():
     model = build_tiny("tiny-llama", 2, 4)
-    _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64)
+    _, cache = generate_with(model, _ids(300), 4, "magicpig_calibrated", budget=64)
     stats = cache.method_stats()
     assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}
     for st in cache.states:
@@ -652,7 +653,7 @@ def test_magicpig_records_k_and_expected_sample_size_per_layer():
         assert stats["lsh_bits"][st.layer_idx] == st.n_bits > 0
         assert stats["sample_target"][st.layer_idx] == 30
         assert 0 < stats["expected_samples"][st.layer_idx] <= 30  # calibration met the target
-    _, official = generate_with(model, _ids(300), 4, "magicpig_official", budget=64)
+    _, official = generate_with(model, _ids(300), 4, "magicpig", budget=64)
     assert {official.method_stats()["lsh_bits"][i] for i in (1, 3)} == {10.0}
 
 
@@ -717,7 +718,7 @@ def test_magicpig_warns_once_when_no_k_meets_the_target():
     model = build_tiny("tiny-llama", 2, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, cache = generate_with(model, _ids(300), 4, "magicpig", budget=64, max_bits=0)
+        _, cache = generate_with(model, _ids(300), 4, "magicpig_calibrated", budget=64, max_bits=0)
         cache.method_stats()
     missed = [w for w in caught if "no K <= max_bits=0" in str(w.message)]
     assert len(missed) == 1 and issubclass(missed[0].category, RuntimeWarning)

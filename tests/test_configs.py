@@ -97,10 +97,10 @@ PUBLISHED = {
     ("pqcache", "n_bits"): 6,  # HugoZHL/PQCache scripts: SUBBITS=6
     ("pqcache", "recent_ratio"): 0.5,  # PQCache: half of the non-sink budget is the local window
     ("omnikv", "wait_layers"): 1,  # antgroup/OmniKV configs: num_wait_load_layers=1
-    ("magicpig_official", "n_bits"): 10,  # Infini-AI-Lab/MagicPIG models/attnserver.py: K=10
-    ("magicpig_official", "n_tables"): 150,  # MagicPIG attnserver.py: L=150
-    ("magicpig_official", "min_collisions"): 2,  # MagicPIG: a key is sampled when it collides in >= 2 tables
-    ("magicpig_official", "calibrate"): False,  # the official K is fixed
+    ("magicpig", "n_bits"): 10,  # Infini-AI-Lab/MagicPIG models/attnserver.py: K=10
+    ("magicpig", "n_tables"): 150,  # MagicPIG attnserver.py: L=150
+    ("magicpig", "min_collisions"): 2,  # MagicPIG: a key is sampled when it collides in >= 2 tables
+    ("magicpig", "calibrate"): False,  # the official K is fixed
     ("icecache", "n_dense_layers"): 2,  # yuzhenmao/IceCache scripts: --n-unlimited-layers 2
     ("icecache", "n_sink_pages"): 2,  # IceCache scripts: --n-sink-pages 2
     ("icecache", "n_window_pages"): 2,  # IceCache scripts: --n-win-pages 2
@@ -125,8 +125,10 @@ def test_icecache_reuse_extends_icecache_through_the_defaults_list():
     node = configs.method_node("icecache_reuse")
     assert node["defaults"] == ["icecache", "_self_"]
     assert set(node) == {"defaults", "name", "n_reuse_layers", "rerank", "own_candidates"}
-    cfg = configs.compose_config(["cache=icecache_reuse", "cache.page_size=16"])["cache"]
-    assert cfg["page_size"] == 16 and cfg["rerank"] is None  # resolved per budget by the preset
+    cfg = configs.compose_config(["cache=icecache_reuse", "cache.page_size=8"])["cache"]
+    assert cfg["page_size"] == 8 and cfg["rerank"] == 0  # the official copy of the anchor's pages
+    variant = configs.compose_config(["cache=icecache_reuse_rerank"])["cache"]
+    assert variant["rerank"] == 3 and variant["own_candidates"] is None  # resolved from the budget when built
 
 
 def test_types_are_checked_against_the_python_defaults():

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import generate_reference, skip_without_requirement
+from helpers import METHOD_CASES, generate_reference, skip_without_requirement
 
 from evals.registry import METHODS, make_cache, make_method
 from icecache.models import tiny_config
@@ -31,27 +31,10 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA device")]
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="a CUDA-only property (ICECACHE_CUDA_TESTS_DEVICE=cpu)")
 
-# K covers every index page (every child scored, unbounded field of view, prompts indexed even within the
-# budget), as in tests/test_icecache_method.py
-EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
-# (budget, hyperparameters, prompt length) covering prompt + 8 new tokens: the same settings as the CPU
-# equality tests of each method (tests/test_interface.py, test_baselines_*.py, test_icecache_method.py)
-COVERING = {
-    "full": (None, {}, 48),
-    "streaming_llm": (56, {}, 48),
-    "h2o": (54, {}, 48),
-    "snapkv": (54, {}, 48),
-    "quest": (64, {}, 48),
-    "arkvale": (64, dict(page_size=4), 48),
-    "topk": (54, {}, 48),
-    "pqcache": (60, {}, 48),
-    "omnikv": (48, dict(filter_layers=[1], wait_layers=0), 48),
-    "magicpig": (56, {}, 48),
-    "magicpig_official": (56, dict(n_bits=0), 48),  # K = 0: every key sampled, as its contract row
-    "icecache": (256, EXHAUSTIVE, 200),
-    "icecache_reuse": (256, EXHAUSTIVE, 200),
-    "kvpress": (48, dict(press="SnapKVPress", press_kwargs=dict(window_size=8)), 48),  # generated tokens kept
-}
+# (budget, hyperparameters, prompt length) covering prompt + 8 new tokens: the contract table's settings, which
+# the CPU equality tests of each method use
+COVERING = {case.name: (case.covering.get("budget"), {k: v for k, v in case.covering.items() if k != "budget"},
+                        case.prompt_len) for case in METHOD_CASES}  # the contract table's rows (tests/helpers.py)
 NEW = 8
 # bf16 keeps 8 significant bits: two correct bf16 computations of the same logits that differ in kernels
 # and summation order (sdpa vs. our gather-and-attend) differ by a few units in the last place, amplified
@@ -138,7 +121,7 @@ def test_covering_budget_equals_full_attention_in_bf16(method, model_name):
         cache.close()
     worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got))
     assert worst <= atol, f"{method}/{model_name}: bf16 logits differ from full attention by {worst} > {atol}"
-    if method in ("pqcache", "omnikv", "icecache", "icecache_reuse"):  # the offload path really ran
+    if method in ("pqcache", "omnikv") or method.startswith("icecache"):  # the offload path really ran
         assert budgeted and all(s.bytes_moved > 0 for s in budgeted)
 
     cache = make_cache(method, model, budget=budget, **hp)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_matches_full, build_tiny, generate_with
+from helpers import ICECACHE_EXHAUSTIVE, assert_matches_full, build_tiny, generate_with
 
 from evals.configs import compose_config
 from evals.registry import make_method
@@ -17,7 +17,7 @@ from icecache.offload import OffloadStore
 
 # K covers every index page: exhaustive search (every child scored, unbounded field of view) and
 # indexing even though the prompt fits in the budget, so every page is retrieved through the index.
-EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20)
+EXHAUSTIVE = ICECACHE_EXHAUSTIVE
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,9 +44,9 @@ def test_prompt_within_budget_is_not_indexed_and_matches_full(method):
     assert not any(s.offloaded for s in cache.states)
 
 
-@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
+@pytest.mark.parametrize("method", ["icecache_tuned", "icecache_reuse_rerank"])
 def test_short_prompt_offloads_on_the_background_worker_once_generation_outgrows_the_budget(method):
-    """``short_prompt="offload"`` (default): a 60-token prompt at budget 64 attends everything until its context
+    """``short_prompt="offload"`` (the tuned variants'): a 60-token prompt at budget 64 attends everything until its context
     exceeds 64 tokens; that step hands the store and index build to the background worker (not inline), and the
     layer keeps the budget from then on (``debug=True`` checks it every step)."""
     m = make_method(method, budget=64, page_size=8, debug=True)
@@ -60,10 +60,11 @@ def test_short_prompt_offloads_on_the_background_worker_once_generation_outgrows
 
 @pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
 def test_official_short_prompt_is_never_indexed_and_matches_full(method):
-    """``short_prompt="dense"`` (official, and ``preset=official``): a prompt within the budget is never indexed,
-    so the layer attends everything for the whole generation, beyond the budget, exactly as full attention."""
-    assert make_method(method, budget=64, preset="official").short_prompt == "dense"
-    assert make_method(method, budget=64).short_prompt == "offload"
+    """``short_prompt="dense"`` (official, the default): a prompt within the budget is never indexed, so the
+    layer attends everything for the whole generation, beyond the budget, exactly as full attention."""
+    assert make_method(method, budget=64).short_prompt == "dense"
+    assert make_method(f"{method}_tuned" if method == "icecache" else f"{method}_rerank", budget=64).short_prompt \
+        == "offload"
     cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), method, budget=64, prompt_len=60, new_tokens=20,
                                 debug=True, short_prompt="dense", page_size=8)
     assert not any(s.offloaded for s in cache.states)
@@ -71,16 +72,16 @@ def test_official_short_prompt_is_never_indexed_and_matches_full(method):
         make_method(method, budget=64, short_prompt="never")
 
 
-def test_official_preset_reproduces_the_c_candidate_rule_pipeline_and_projection_draw():
-    """``preset=official`` takes the C code's candidate rule, prefill backpressure and per-prompt projection;
-    the default preset keeps this project's; explicit values win; bad values are refused."""
-    official = make_method("icecache", budget=128, preset="official")
+def test_official_default_reproduces_the_c_candidate_rule_pipeline_and_projection_draw():
+    """``icecache`` takes the C code's candidate rule, prefill backpressure and per-prompt projection;
+    ``icecache_tuned`` keeps this project's; explicit values win; bad values are refused."""
+    official = make_method("icecache", budget=128)
     assert (official.candidate_rule, official.prefill_pipeline, official.projection) == (
         "official", "official", "per_prompt")
     assert official.dci_config().candidate_rule == "official"
-    ours = make_method("icecache", budget=128)
+    ours = make_method("icecache_tuned", budget=128)
     assert (ours.candidate_rule, ours.prefill_pipeline, ours.projection) == ("scored", "overlap", "seeded")
-    assert make_method("icecache", budget=128, candidate_rule="official").dci_config().candidate_rule == "official"
+    assert make_method("icecache", budget=128, candidate_rule="scored").dci_config().candidate_rule == "scored"
     for key in ("candidate_rule", "prefill_pipeline", "projection"):
         with pytest.raises(ValueError, match=key):
             make_method("icecache", budget=128, **{key: "C"})
@@ -132,7 +133,7 @@ def test_projection_is_shared_by_the_layers_of_a_prompt_and_redrawn_per_prompt_o
 
 # --------------------------------------------------------------------------- budgets and layouts
 def test_layouts():
-    official = dict(preset="official")
+    official = {}
     assert make_method("icecache", budget=64, **official).layout() == (1, 2, 1)  # 64 -> (1, 2, 1) of 16
     assert make_method("icecache", budget=80, **official).layout() == (2, 2, 1)
     assert make_method("icecache", budget=128, **official).layout() == (2, 2, 4)
@@ -141,32 +142,30 @@ def test_layouts():
     assert make_method("icecache", budget=64, n_sink_pages=0, budget_layout="fixed", **official).layout() == (0, 2, 2)
 
 
-def test_presets_resolve_per_budget_and_explicit_values_win():
-    """preset=budget: 8-token pages below 256 tokens, the official 16 from 256, every child of an expanded node
-    scored; official: 16 everywhere and 80% of a large node; an explicit value overrides either preset."""
+def test_tuned_resolves_per_budget_and_explicit_values_win():
+    """icecache_tuned: 8-token pages below 256 tokens, the official 16 from 256, every child of an expanded node
+    scored; icecache: 16 everywhere and 80% of a large node; an explicit value overrides either."""
     for budget, page in [(32, 8), (64, 8), (120, 8), (128, 8), (248, 8), (256, 16), (512, 16)]:
-        m = make_method("icecache", budget=budget)
+        m = make_method("icecache_tuned", budget=budget)
         assert (m.page_size, m.gqa_merge) == (page, "interleaved")
         assert m.prop_to_retrieve == 1.0 == m.dci_config().prop_to_retrieve
-        assert make_method("icecache", budget=budget, prop_to_retrieve=0.5).dci_config().prop_to_retrieve == 0.5
-        official = make_method("icecache", budget=max(64, budget - budget % 16), preset="official")
+        assert make_method("icecache_tuned", budget=budget, prop_to_retrieve=0.5).dci_config().prop_to_retrieve == 0.5
+        official = make_method("icecache", budget=max(64, budget - budget % 16))
         assert (official.page_size, official.gqa_merge, official.prop_to_retrieve) == (16, "interleaved", 0.8)
-    assert make_method("icecache", budget=64).layout() == (2, 2, 4)
-    assert make_method("icecache", budget=128).layout() == (2, 2, 12)
-    assert make_method("icecache", budget=256).layout() == (2, 2, 12)
-    m = make_method("icecache_reuse", budget=64, page_size=16, gqa_merge="max")
+    assert make_method("icecache_tuned", budget=64).layout() == (2, 2, 4)
+    assert make_method("icecache_tuned", budget=128).layout() == (2, 2, 12)
+    assert make_method("icecache_tuned", budget=256).layout() == (2, 2, 12)
+    m = make_method("icecache_reuse_rerank", budget=64, page_size=16, gqa_merge="max")
     assert (m.page_size, m.gqa_merge, m.layout()) == (16, "max", (1, 2, 1))
-    with pytest.raises(ValueError, match="preset"):
-        make_method("icecache", budget=64, preset="paper")
 
 
 @pytest.mark.parametrize("budget,hp,nearest", [
     (None, {}, "budget=128"),
-    (100, dict(preset="official"), "96 or 112"),
-    (100, {}, "96 or 104"),  # preset budget: 8-token pages below 256
-    (48, dict(preset="official"), "64"),
-    (8, {}, "32"),
-    (64, dict(budget_layout="fixed", preset="official"), "80"),
+    (100, {}, "96 or 112"),
+    (100, dict(page_size=8), "96 or 104"),
+    (48, {}, "64"),
+    (8, dict(page_size=8), "32"),
+    (64, dict(budget_layout="fixed"), "80"),
     (36, dict(page_size=8), "32 or 40"),
 ])
 def test_invalid_budgets(budget, hp, nearest):
@@ -414,7 +413,8 @@ def test_union_merge_attends_the_group_union():
 def test_resident_set_stays_within_budget_over_a_long_generation(method, prompt):
     model = build_tiny("tiny-qwen3", 2, 4)
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
-    _, cache = generate_with(model, ids, 40, method, budget=64, debug=True)  # debug asserts every step
+    # short_prompt="offload" (the tuned variants'): the 40-token prompt is indexed once the context outgrows 64
+    _, cache = generate_with(model, ids, 40, method, budget=64, debug=True, short_prompt="offload")
     budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
     assert all(s.offloaded for s in budgeted)
     assert cache.max_budgeted_resident() <= 64
@@ -545,10 +545,11 @@ def test_smollm2_passkey_question_via_decode_budget_256_matches_full(tmp_path):
     assert scores["icecache"]["per_sample"] == scores["full"]["per_sample"]
 
 
-@pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
-def test_default_configuration_keeps_every_head_within_every_budget(method):
-    """For every budget the default preset accepts, from the smallest valid one to 512 tokens, no head of a
-    budgeted layer ever attends more than ``budget`` past tokens (the current token excluded)."""
+@pytest.mark.parametrize("method,smallest", [("icecache", 64), ("icecache_reuse", 64), ("icecache_tuned", 32),
+                                             ("icecache_reuse_rerank", 32)])
+def test_default_configuration_keeps_every_head_within_every_budget(method, smallest):
+    """For every budget the default configuration accepts, from the smallest valid one to 512 tokens, no head of
+    a budgeted layer ever attends more than ``budget`` past tokens (the current token excluded)."""
     model = build_tiny("tiny-llama", 2, 6)  # GQA group 3, as SmolLM2
     ids = torch.randint(0, 256, (1, 600), generator=torch.Generator().manual_seed(4))
     budgets = []
@@ -558,7 +559,7 @@ def test_default_configuration_keeps_every_head_within_every_budget(method):
         except BudgetError:
             continue
         budgets.append(budget)
-    assert budgets[0] == 32 and budgets[-1] == 512 and 264 not in budgets  # 8-token pages below 256, then 16
+    assert budgets[0] == smallest and budgets[-1] == 512 and 264 not in budgets  # tuned: 8-token pages below 256
     for budget in budgets:
         m = make_method(method, budget=budget, debug=True)
         most, attend = {}, m.attend

@@ -112,7 +112,7 @@ def test_own_candidates_need_rerank():
 
 def test_covering_budget_with_own_candidates_matches_full(tiny_model):
     assert_matches_full(tiny_model, "icecache_reuse", budget=256, prompt_len=200, new_tokens=8, debug=True,
-                        own_candidates=2, **EXHAUSTIVE)
+                        rerank=3, own_candidates=2, **EXHAUSTIVE)
 
 
 def test_reusing_layer_finds_the_page_only_its_own_keys_point_to():
@@ -138,11 +138,11 @@ def test_reusing_layer_finds_the_page_only_its_own_keys_point_to():
     assert all(found[2]) and not any(found[0])
 
 
-def test_reuse_presets_resolve_per_budget_and_explicit_values_win():
+def test_rerank_variant_resolves_per_budget_and_explicit_values_win():
     for budget, own in [(64, 4), (128, 4), (248, 4), (256, 0), (512, 0)]:
-        m = make_method("icecache_reuse", budget=budget)
+        m = make_method("icecache_reuse_rerank", budget=budget)
         assert (m.rerank, m.own_candidates) == (3, own)
-    official = make_method("icecache_reuse", budget=64, preset="official")
+    official = make_method("icecache_reuse", budget=64)
     assert (official.rerank, official.own_candidates, official.page_size) == (0, 0, 16)  # the anchor's pages
-    assert make_method("icecache_reuse", budget=64, own_candidates=1).own_candidates == 1
-    assert make_method("icecache_reuse", budget=64, preset="official", rerank=2).rerank == 2
+    assert make_method("icecache_reuse_rerank", budget=64, own_candidates=1).own_candidates == 1
+    assert make_method("icecache_reuse", budget=64, rerank=2).rerank == 2

@@ -171,7 +171,7 @@ def _decode(monkeypatch, method: str, budget: int, prompt: int = 150, steps: int
     return cache, counter
 
 
-@pytest.mark.parametrize("method", ["streaming_llm", "h2o", "snapkv"])
+@pytest.mark.parametrize("method", ["streaming_llm", "h2o", "snapkv_pinned"])
 def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
     """StreamingLLM and H2O drop one token per step by moving the newest token into the leaving one's slot:
     after the first decode step the resident K/V stay views of the same buffers (no copy of the cache per
@@ -181,7 +181,7 @@ def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
     model = build_tiny("tiny-llama", 2, 4)
     budget, prompt = 32, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    cache = make_cache(method, model, budget=budget, **({"window_size": 8} if method == "snapkv" else {}))
+    cache = make_cache(method, model, budget=budget, **({"window_size": 8} if method == "snapkv_pinned" else {}))
     ptrs = set()
     with torch.inference_mode():
         out = model(ids, past_key_values=cache, use_cache=True)
@@ -196,7 +196,7 @@ def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
             kept = st.pos.sort(-1).values
             if method == "streaming_llm":
                 assert kept.tolist() == list(range(4)) + list(range(n - budget + 4, n))
-            elif method == "snapkv":
+            elif method == "snapkv_pinned":
                 newest = min(n - prompt, cache.method.room)  # the generated room slides, in order, at the end
                 assert st.pos.shape[-1] == budget and (st.pos[:, -newest:] == torch.arange(n - newest, n)).all()
             else:

@@ -26,8 +26,6 @@ that files of several seeds pool.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import subprocess
 import os
 import itertools
 import json
@@ -46,6 +44,7 @@ from evals.passkey import Passkey
 from evals.prefill_cache import Prefill as Prefilled
 from evals.prefill_cache import replay_refusal
 from evals.registry import make_method
+from evals.results import row_provenance
 from evals.ruler import Ruler
 from evals.runner import generate
 from icecache.kv import KVMethod
@@ -72,9 +71,9 @@ class Config:
 def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, method: str = "icecache",
                     **extra) -> Config | None:
     """An IceCache cell with ``sink_tokens`` of sink (a multiple of the page size) and the official 2-page
-    window; None when the combination leaves no retrieved page or is not page-aligned. Every value a preset
-    would choose is pinned (``prop_to_retrieve`` at the official 0.8 unless ``extra`` names it, and then in
-    the label), so a label means the same configuration whatever the presets are."""
+    window; None when the combination leaves no retrieved page or is not page-aligned. The grid's values are
+    pinned (``prop_to_retrieve`` at the official 0.8 unless ``extra`` names it, and then in the label), so a label
+    means the same configuration whatever the method's defaults are."""
     if sink_tokens % page_size or budget % page_size:
         return None
     options = {"gqa_merge": merge, "page_size": page_size, "n_sink_pages": sink_tokens // page_size,
@@ -90,8 +89,7 @@ def icecache_config(budget: int, merge: str, page_size: int, sink_tokens: int, m
 
 def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("icecache",),
          reranks=(0,), props=(0.8,), owns=(0,), defaults=False, baselines=()) -> list[Config]:
-    """Full and top-k bounds, then (``defaults``) each method as shipped -- ``<method>[default]``, every
-    option left to its budget preset -- then each of ``baselines`` by its registered name (:func:`named_config`, any
+    """Full and top-k bounds, then (``defaults``) each method as shipped, labelled by its registered name -- then each of ``baselines`` by its registered name (:func:`named_config`, any
     registered method whose prefill stores the exact K/V: :func:`replayable`), then every valid IceCache cell
     of the cross product (IceCache(reuse)
     once per ``rerank`` and ``own_candidates`` value, the latter named in the label unless 0;
@@ -100,7 +98,7 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
     for budget in budgets:
         cells.append(Config("topk", "topk", budget))
         if defaults:
-            cells += [Config(f"{method}[default]", method, budget) for method in methods]
+            cells += [Config(method, method, budget) for method in methods]
         cells += [named_config(spec, budget) for spec in baselines if spec not in ("full", "topk")]
         for method, page, sink, merge, prop in itertools.product(methods, page_sizes, sinks, merges, props):
             scoring = {} if prop == 0.8 else {"prop_to_retrieve": prop}
@@ -196,7 +194,6 @@ def run(args) -> Path:
     triples = suite_samples(tokenizer, args)
     print(f"{len(cells)} configurations x {len(triples)} samples ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads)", flush=True)
-    source = code_state()
     for label, suite, sample in triples:
         todo = [c for c in cells if (c.label, c.budget, label, sample.id) not in done]
         if not todo:
@@ -204,27 +201,13 @@ def run(args) -> Path:
         prefilled = Prefilled.capture(model, sample.prompt_ids)
         for cell in todo:
             row = {"config": cell.label, "budget": cell.budget, "suite": label, "id": sample.id, "task": sample.task,
-                   "options": dict(cell.options), "resolved": resolved_options(cell), **source, **run_cell(model, tokenizer, suite, sample, cell, prefilled,
-                                                              args.ruler_max_new_tokens, args.probe)}
+                   "options": dict(cell.options), **row_provenance(cell.build(), cell.method),
+                   **run_cell(model, tokenizer, suite, sample, cell, prefilled, args.ruler_max_new_tokens, args.probe)}
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         print(f"{label} {sample.id}: done", flush=True)
     print(table(out).to_string())
     return out
-
-
-def resolved_options(cell: Config) -> dict:
-    """Every hyperparameter of the cell's method as built (presets and budget-dependent values resolved)."""
-    method = cell.build()
-    return {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init and f.name != "debug"}
-
-
-def code_state() -> dict:
-    """The commit of the code that measures, and whether tracked files differed from it."""
-    def git(*cmd):
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *cmd], capture_output=True, text=True).stdout.strip()
-    return {"commit": git("rev-parse", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def parse_aliases(specs: list[str]) -> list[tuple[str, str, str]]:
@@ -392,7 +375,7 @@ def main(argv=None) -> None:
     p.add_argument("--props", nargs="+", type=float, default=[0.8],
                    help="prop_to_retrieve values (share of an expanded node's children the search scores)")
     p.add_argument("--defaults", action="store_true",
-                   help="add each method as shipped (<method>[default]: every option from its budget preset)")
+                   help="add each method as shipped, labelled by its registered name")
     p.add_argument("--baselines", nargs="+", default=[], metavar="METHOD[:K=V,...]", help="add these registered "
                    "methods by name, as shipped or with options (topk:n_dense_layers=2); only exact-attention prefills (not h2o, snapkv, magicpig, arkvale)")
     p.add_argument("--only", nargs="*", default=None, help="keep only configurations whose label contains one of these ('full' and 'topk' name the bounds)")

@@ -73,7 +73,8 @@ from icecache.models import load_model, load_tokenizer, resolve_dtype, tiny_conf
 
 TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the median per-token interval
 
-JIT_METHODS = ("icecache", "icecache_reuse", "magicpig")  # numba kernels (icecache/dci, icecache/resident.py, magicpig buckets)
+JIT_METHODS = ("icecache", "icecache_tuned", "icecache_reuse", "icecache_reuse_rerank", "magicpig",
+               "magicpig_calibrated")  # numba kernels (icecache/dci, icecache/resident.py, magicpig buckets)
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
