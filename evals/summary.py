@@ -15,21 +15,56 @@ two configurations are never pooled under one label. Run directories
 that are still being written (no ``metrics.json`` yet) are listed with ``status=incomplete``; a run whose
 ``config.yaml`` cannot be read is skipped with a one-line warning. Suites whose score is not a quality
 number (latency: ``score_name: tpot_ms``) leave ``score`` empty and fill a column of that name.
+
+Uncertainty (:func:`add_intervals`), per complete run with a quality score, from its ``predictions.jsonl``:
+
+- ``score_ci_low``/``score_ci_high``: a 95% percentile bootstrap interval of ``score`` over ``n`` samples.
+- ``diff_to_full``/``diff_ci_low``/``diff_ci_high``: the run's score minus the full cache's score on the
+  ``n_paired`` samples both answered (matched by sample id), with a 95% paired bootstrap interval (the same
+  resample of sample ids for both); the full cache run is one with the same eval, model and every setting
+  but ``cache.*``, the budget and :data:`PAIRING_IGNORED` (the one sharing most samples, then the one at
+  the same budget). A full cache run is paired with itself (0, [0, 0]); without a full cache run to pair
+  with, these stay empty.
+
+A row's score is its ``scores.score`` (0-1). Each resample redraws the samples with replacement within
+each stratum of the suite's own aggregate, keeping every stratum's size, and recomputes that aggregate
+(:data:`AGGREGATES`), so the point estimate is the suite's score: passkey (and any suite on the default
+:meth:`evals.base.Suite.aggregate`) 100 x the mean over tasks of each task's mean (stratum: task); GSM8K
+100 x the mean over samples (one stratum); LongBench the mean over the English tasks present (the Chinese
+ones when only those ran) of 100 x each task's mean rounded to 2 decimals (stratum: task); RULER the mean
+over tasks of each task's mean over lengths of 100 x the (length, task) cell's mean rounded to 2 decimals
+(stratum: length and task); LongGenBench 100 x the mean over the three kinds of pooled yes / pooled judged
+checks (one stratum). Every statistic is on the 0-100 scale of ``score``. Each run's
+resamples come from a generator seeded afresh (``--seed``, default 0; ``--draws`` resamples, default
+2000), so an interval does not depend on which other runs the folder holds. The recomputed score equals
+``metrics.json``'s (up to :data:`SCORE_TOLERANCE`: numpy's summation order may round a per-task mean the
+other way); a run where it does not (written by another version of the suite's aggregate) gets no interval
+and a warning.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Hashable, Sequence
 
+import numpy as np
 import pandas as pd
 import yaml
 
-from .results import METHOD_TOP_LEVEL, NON_SEMANTIC, canonical, read_resolved
+from .results import METHOD_TOP_LEVEL, NON_SEMANTIC, canonical, load_predictions, read_resolved
 from .schema import read_recall, read_results, recall_columns, score_columns, timing_columns
 
 KEYS = ("eval", "model", "cache")  # with budget: the named axes of every figure
+DRAWS, SEED, LEVEL = 2000, 0, 0.95  # bootstrap resamples, their seed, the confidence level
+INTERVAL_COLUMNS = ("score_ci_low", "score_ci_high", "n", "diff_to_full", "diff_ci_low", "diff_ci_high", "n_paired")
+# how far a score recomputed from the rows may be from metrics.json's: a per-task mean rounded to 2 decimals
+# (LongBench, RULER) may round the other way when numpy sums in another order than the suite
+SCORE_TOLERANCE = 0.01
+# settings that do not change which samples a run answers nor the answers: a full cache run is paired across them
+PAIRING_IGNORED = ("prefill_cache", "prefill_cache_max_gb", "diagnostics")
 
 
 def read_config(run_dir: Path) -> dict | None:
@@ -66,6 +101,7 @@ def run_row(run_dir: Path, cfg: dict, resolved: dict | None = None) -> dict:
     if metrics is None or timing is None:
         return {**row, "status": "incomplete"}
     row.update({"status": "complete", **score_columns(metrics), "n_samples": metrics.get("n_samples")})
+    row["budget_covers_context"] = timing.get("budget_covers_context")  # samples that ran as full attention
     return {**row, **timing_columns(timing), **recall_columns(read_recall(run_dir))}
 
 
@@ -148,8 +184,186 @@ def _text(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def collect(results_dir: str | Path) -> pd.DataFrame:
-    """One row per run directory under ``results_dir`` (empty frame when there is none)."""
+# ---------------------------------------------------------------- bootstrap intervals
+def resample_means(groups: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """For each group (``[n_g, ...]`` rows), the means of ``draws`` resamples of its rows with replacement:
+    ``[draws, ...]``. The groups draw from ``rng`` in order, each as ``rng.integers(0, n_g, (draws, n_g))``; a
+    paired resample stacks both members of a pair in one row, so one draw picks the same samples for both."""
+    return [g[rng.integers(0, len(g), (draws, len(g)))].mean(1) for g in groups]
+
+
+def percentile_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """The central ``level`` percentile interval of bootstrap statistics (numpy's linear interpolation)."""
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def _round2(x: np.ndarray) -> np.ndarray:
+    return np.round(x, 2)
+
+
+def _mean_over_tasks(m: dict) -> np.ndarray:
+    return np.mean([100 * v[..., 0] for v in m.values()], axis=0)
+
+
+def _pooled(m: dict) -> np.ndarray:
+    return 100 * m[None][..., 0]
+
+
+def _longbench(m: dict) -> np.ndarray:
+    from .longbench import CHINESE_TASKS, ENGLISH_TASKS
+
+    english = [t for t in ENGLISH_TASKS if t in m]
+    chosen = english or [t for t in CHINESE_TASKS if t in m]
+    return np.mean([_round2(100 * m[t][..., 0]) for t in chosen], axis=0)
+
+
+def _ruler(m: dict) -> np.ndarray:
+    tasks: dict[str, list] = {}
+    for (_, task), v in m.items():
+        tasks.setdefault(task, []).append(_round2(100 * v[..., 0]))
+    return np.mean([np.mean(cells, axis=0) for cells in tasks.values()], axis=0)
+
+
+LONGGENBENCH_KINDS = ("once", "range", "periodic")
+
+
+def _longgenbench_values(row: dict) -> list[float]:
+    return [float(row["scores"][f"{k}_{part}"]) for k in LONGGENBENCH_KINDS for part in ("yes", "judged")]
+
+
+def _longgenbench(m: dict) -> np.ndarray:
+    v = m[None]
+    accuracies = [np.divide(v[..., 2 * i], v[..., 2 * i + 1], out=np.zeros_like(v[..., 2 * i]),
+                            where=v[..., 2 * i + 1] > 0) for i in range(len(LONGGENBENCH_KINDS))]
+    return 100 * np.mean(accuracies, axis=0)
+
+
+def _score_value(row: dict) -> list[float]:
+    return [float(row["scores"]["score"])]
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A suite's headline score as a function of per-stratum means: each row belongs to a ``stratum`` and
+    contributes ``values``; ``combine`` maps ``{stratum: mean values [..., k]}`` to the score ``[...]`` (0-100).
+    A bootstrap resamples rows within each stratum, so every stratum keeps its size and weight."""
+
+    stratum: Callable[[dict], Hashable]
+    values: Callable[[dict], list[float]]
+    combine: Callable[[dict], np.ndarray]
+
+
+TASK_MEAN = Aggregate(lambda row: row["task"], _score_value, _mean_over_tasks)
+# eval name -> how its metrics.json score is computed from the rows (:class:`Aggregate`); None: not a quality
+# score (no interval); a suite not listed uses the default Suite.aggregate, the mean over tasks of task means
+AGGREGATES: dict[str, Aggregate | None] = {
+    "passkey": TASK_MEAN,
+    "gsm8k": Aggregate(lambda row: None, _score_value, _pooled),
+    "longbench": Aggregate(lambda row: row["task"], _score_value, _longbench),
+    "ruler": Aggregate(lambda row: (int(row["meta"]["length"]), row["task"]), _score_value, _ruler),
+    "longgenbench": Aggregate(lambda row: None, _longgenbench_values, _longgenbench),
+    "latency": None,
+}
+
+
+def _strata(rows: Sequence[Sequence[dict]], aggregate: Aggregate) -> dict:
+    """``{stratum: [n_s, k * len(rows)]}``: the values of aligned row lists (one list, or a run's and full's
+    rows of the same samples), side by side, grouped by the first list's strata."""
+    out: dict = {}
+    for aligned in zip(*rows):
+        out.setdefault(aggregate.stratum(aligned[0]), []).append([x for r in aligned for x in aggregate.values(r)])
+    return {key: np.asarray(v, dtype=float) for key, v in out.items()}
+
+
+def _split(means: dict, parts: int) -> list[dict]:
+    """``{stratum: [..., k * parts]}`` -> one ``{stratum: [..., k]}`` per aligned row list."""
+    return [{key: np.split(m, parts, axis=-1)[i] for key, m in means.items()} for i in range(parts)]
+
+
+def bootstrap(rows: Sequence[Sequence[dict]], aggregate: Aggregate, draws: int = DRAWS,
+              seed: int = SEED) -> tuple[list[float], list[np.ndarray]]:
+    """The aggregate of each of the aligned row lists ``rows`` (point estimates) and its ``draws`` bootstrap
+    replicates, ``[draws]`` each: the samples are resampled within each stratum, with one draw shared by the
+    lists (a paired bootstrap when there are two), from ``np.random.default_rng(seed)``."""
+    strata = _strata(rows, aggregate)
+    keys = list(strata)
+    point = {key: strata[key].mean(0) for key in keys}
+    boot = dict(zip(keys, resample_means([strata[key] for key in keys], draws, np.random.default_rng(seed))))
+    parts = len(rows)
+    return ([float(aggregate.combine(m)) for m in _split(point, parts)],
+            [aggregate.combine(m) for m in _split(boot, parts)])
+
+
+def score_interval(rows: list[dict], aggregate: Aggregate, draws: int = DRAWS, seed: int = SEED,
+                   level: float = LEVEL) -> dict:
+    """``score`` (the suite's aggregate of ``rows``), ``score_ci_low``/``score_ci_high`` (its ``level``
+    percentile bootstrap interval) and ``n``."""
+    if not rows:
+        return {"score": None, "score_ci_low": None, "score_ci_high": None, "n": 0}
+    (point,), (boot,) = bootstrap([rows], aggregate, draws, seed)
+    low, high = percentile_interval(boot, level)
+    return {"score": point, "score_ci_low": low, "score_ci_high": high, "n": len(rows)}
+
+
+def paired_difference(rows: list[dict], full_rows: list[dict], aggregate: Aggregate, draws: int = DRAWS,
+                      seed: int = SEED, level: float = LEVEL) -> dict:
+    """The aggregate of ``rows`` minus that of ``full_rows`` on the samples both hold (matched by ``id``):
+    ``diff_to_full``, its ``level`` paired bootstrap interval ``diff_ci_low``/``diff_ci_high`` and ``n_paired``."""
+    by_id = {r["id"]: r for r in full_rows}
+    common = [r for r in rows if r["id"] in by_id]
+    if not common:
+        return {"diff_to_full": None, "diff_ci_low": None, "diff_ci_high": None, "n_paired": 0}
+    (own, full), (own_boot, full_boot) = bootstrap([common, [by_id[r["id"]] for r in common]], aggregate, draws, seed)
+    low, high = percentile_interval(own_boot - full_boot, level)
+    return {"diff_to_full": own - full, "diff_ci_low": low, "diff_ci_high": high, "n_paired": len(common)}
+
+
+def _pairing_key(row: dict, flat: dict) -> tuple:
+    kept = {k: v for k, v in flat.items()
+            if not k.startswith("cache.") and k.split(".", 1)[0] not in PAIRING_IGNORED}
+    return row["eval"], row["model"], json.dumps(kept, sort_keys=True, default=str)
+
+
+def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED) -> None:
+    """Fills :data:`INTERVAL_COLUMNS` of every complete run whose eval has a quality score (the module
+    docstring says what each is), reading each run's ``predictions.jsonl``; the others keep them empty."""
+    loaded: dict[int, list[dict]] = {}
+    for i, row in enumerate(rows):
+        aggregate = AGGREGATES.get(row["eval"], TASK_MEAN)
+        if row.get("status") != "complete" or aggregate is None or row.get("score") is None:
+            continue
+        preds = load_predictions(Path(row["run_dir"]) / "predictions.jsonl")
+        try:
+            interval = score_interval(preds, aggregate, draws, seed)
+        except (KeyError, TypeError, ValueError) as err:
+            print(f"warning: {row['run_dir']}: no interval (a row without {err})", file=sys.stderr)
+            continue
+        if interval["score"] is None or abs(interval["score"] - row["score"]) > SCORE_TOLERANCE:
+            print(f"warning: {row['run_dir']}: score recomputed from predictions.jsonl ({interval['score']}) differs "
+                  f"from metrics.json ({row['score']}): no interval", file=sys.stderr)
+            continue
+        loaded[i] = preds
+        row.update({k: v for k, v in interval.items() if k != "score"})
+    full = [i for i in loaded if rows[i]["cache"] == "full"]
+    for i, preds in loaded.items():
+        if rows[i]["cache"] == "full":
+            ref = i
+        else:
+            key = _pairing_key(rows[i], flat[i])
+            ids = {r["id"] for r in preds}
+            candidates = [j for j in full if _pairing_key(rows[j], flat[j]) == key]
+            if not candidates:
+                continue
+            ref = max(candidates, key=lambda j: (sum(r["id"] in ids for r in loaded[j]),
+                                                 rows[j]["budget"] == rows[i]["budget"], -j))
+        rows[i].update(paired_difference(preds, loaded[ref], AGGREGATES.get(rows[i]["eval"], TASK_MEAN), draws, seed))
+
+
+def collect(results_dir: str | Path, draws: int = DRAWS, seed: int = SEED) -> pd.DataFrame:
+    """One row per run directory under ``results_dir`` (empty frame when there is none), with the bootstrap
+    intervals of :func:`add_intervals` (``draws`` resamples seeded ``seed``; ``draws=0``: none)."""
     rows, flat, methods = [], [], []
     for stamp in sorted(Path(results_dir).rglob("config_hash")):
         cfg = read_config(stamp.parent)
@@ -162,8 +376,19 @@ def collect(results_dir: str | Path) -> pd.DataFrame:
         row.update({k: f.get(k) for k in sorted(keys)})
         row["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={_text(f.get(k))}" for k in sorted(keys))
     split_by_resolved(rows, methods)
-    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=[*KEYS, "budget", "seed", "commit", "run_dir",
-                                                                  "status", "variant"])
+    if draws > 0:
+        add_intervals(rows, flat, draws, seed)
+    if rows:
+        frame = pd.DataFrame(rows)
+        for count in ("n", "n_paired"):  # sample counts stay integers beside runs without an interval
+            if count in frame:
+                frame[count] = frame[count].astype("Int64")
+        if "score" in frame:  # the intervals beside the score they qualify
+            rest = [c for c in frame if c not in INTERVAL_COLUMNS]
+            at = rest.index("score") + 1
+            frame = frame[rest[:at] + [c for c in INTERVAL_COLUMNS if c in frame] + rest[at:]]
+        return frame
+    return pd.DataFrame(columns=[*KEYS, "budget", "seed", "commit", "run_dir", "status", "variant"])
 
 
 def write_summary(results_dir: str | Path, frame: pd.DataFrame | None = None) -> Path:
@@ -181,16 +406,20 @@ def write_summary(results_dir: str | Path, frame: pd.DataFrame | None = None) ->
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", nargs="?", default="results")
+    parser.add_argument("--draws", type=int, default=DRAWS, help="bootstrap resamples per interval (0: none)")
+    parser.add_argument("--seed", type=int, default=SEED, help="seed of every run's bootstrap resamples")
     args = parser.parse_args(argv)
     if not Path(args.results_dir).is_dir():
         print(f"error: {args.results_dir} is not a folder of run directories", file=sys.stderr)
         sys.exit(2)
-    frame = collect(args.results_dir)
+    frame = collect(args.results_dir, args.draws, args.seed)
     out = write_summary(args.results_dir, frame)
-    cols = [c for c in ("eval", "model", "cache", "budget", "variant", "score", "tt2t_s", "tpot_s", "commit",
-                        "status")
+    cols = [c for c in ("eval", "model", "cache", "budget", "variant", "score", *INTERVAL_COLUMNS, "tt2t_s",
+                        "tpot_s", "commit", "status")
             if c in frame]
-    print(frame[cols].to_string(index=False) if len(frame) else f"no run directories under {args.results_dir}")
+    shown = frame[cols].round({c: 2 for c in ("score", "score_ci_low", "score_ci_high", "diff_to_full",
+                                               "diff_ci_low", "diff_ci_high")})
+    print(shown.to_string(index=False) if len(frame) else f"no run directories under {args.results_dir}")
     print(f"summary: {out}")
 
 

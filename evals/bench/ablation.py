@@ -47,6 +47,7 @@ from evals.registry import make_method
 from evals.results import row_provenance
 from evals.ruler import Ruler
 from evals.runner import generate
+from evals.summary import percentile_interval, resample_means
 from icecache.kv import KVMethod
 from icecache.kv.recall import RecallProbe, positions_mask
 from icecache.models import load_model, load_tokenizer
@@ -246,7 +247,9 @@ def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.Da
     """Per suite, configuration and budget: the score (mean over tasks of each task's mean, 0-100) on the samples
     that full also answered, full's score on the same samples, their ratio, and its 95% paired bootstrap interval
     (``draws`` resamples of the samples within each task, the same draw for both: the spread a sample of this size
-    leaves on the ratio)."""
+    leaves on the ratio). The resampling and the percentile interval are the summary's
+    (:func:`evals.summary.resample_means`, :func:`evals.summary.percentile_interval`); one generator seeded
+    ``seed`` serves every cell in turn."""
     rng = np.random.default_rng(seed)
     full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"]
     out = []
@@ -257,11 +260,11 @@ def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.Da
         if not pairs:
             continue
         score, ref = np.mean([p.mean(0) for p in pairs], axis=0) * 100
-        boot = np.mean([p[rng.integers(0, len(p), (draws, len(p)))].mean(1) for p in pairs], axis=0)  # [draws, 2]
+        boot = np.mean(resample_means(pairs, draws, rng), axis=0)  # [draws, 2]
         ratios = boot[:, 0] / np.maximum(boot[:, 1], 1e-12)
+        low, high = percentile_interval(ratios)
         out.append({"suite": suite, "config": config, "budget": budget, "n": len(cell), "score": score,
-                    "full": ref, "ratio": score / ref if ref else float("nan"),
-                    "ci_low": np.percentile(ratios, 2.5), "ci_high": np.percentile(ratios, 97.5)})
+                    "full": ref, "ratio": score / ref if ref else float("nan"), "ci_low": low, "ci_high": high})
     return pd.DataFrame(out).set_index(["suite", "config", "budget"]).round(3)
 
 
