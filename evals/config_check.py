@@ -3,17 +3,21 @@
 Every type, range and enum mistake in the top-level settings and the ``model`` group is one
 :class:`ConfigError` line; ``cache.*`` and ``eval.*`` options are checked against the type of their
 Python default (the method's dataclass field, the suite's ``Options``: :func:`evals.configs.defaults`) (a boolean option takes ``true``/``false`` only, a whole-number
-option a whole number); the methods and suites check their own ranges and enums. Returns a canonical copy:
+option a whole number), and an option whose field only takes a list (``list[int]``, ``Sequence[int] | None``) or
+a mapping must be given one (``eval.lengths=[1024]``, not ``eval.lengths=1024``); the methods and suites check
+their own ranges and enums. Returns a canonical copy:
 whole floats become ints (``budget=64.0`` is ``budget=64``) and ``device=auto`` is resolved.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from pathlib import Path
 
 import torch
 
-from . import configs
+from . import configs, registry
 from .results import canonical
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -103,9 +107,103 @@ def _diagnostics(diag) -> dict:
     return diag
 
 
-def _typed_like(key: str, value, default):
-    """``value`` checked against the type of its scalar default (a None default accepts anything; a list or
-    mapping is left to the suite or method, e.g. ``eval.depths`` takes a count or a list of depths)."""
+_LISTS = ("list", "tuple", "Sequence", "List", "Tuple", "typing.Sequence", "typing.List", "typing.Tuple",
+          "collections.abc.Sequence")
+_MAPPINGS = ("dict", "Dict", "Mapping", "typing.Dict", "typing.Mapping", "collections.abc.Mapping")
+_ELEMENTS = {"int": ("whole numbers", _is_int), "float": ("numbers", _is_number),
+             "str": ("text", lambda v: isinstance(v, str))}
+
+
+def _split(text: str) -> list[str]:
+    """The top-level ``|`` parts of an annotation: ``"list[int] | None"`` -> ``["list[int]", "None"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "|" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()]
+
+
+def _shape_of(annotation: str) -> tuple[str, str | None] | None:
+    """``("list", element)`` when an annotation admits only a list (or None), ``("mapping", None)`` when only a
+    mapping (or None), else None (e.g. ``int | list[float]``: a count or a list)."""
+    shapes = set()
+    for part in _split(annotation):
+        base, _, inner = part.partition("[")
+        inner = inner[:-1].strip() if inner.endswith("]") else ""
+        if base == "None":
+            continue
+        if base in ("Optional", "typing.Optional") and inner:
+            shape = _shape_of(inner)
+            if shape is None:
+                return None
+            shapes.add(shape)
+        elif base in _LISTS:
+            element = inner if base.split(".")[-1] not in ("tuple", "Tuple") else ""
+            shapes.add(("list", element if element in _ELEMENTS else None))
+        elif base in _MAPPINGS:
+            shapes.add(("mapping", None))
+        else:
+            return None
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def _annotation_text(tp) -> str:
+    """An annotation as source text (``from __future__ import annotations`` keeps them as text already)."""
+    if isinstance(tp, str):
+        return tp
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "None"
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        return " | ".join(_annotation_text(a) for a in args)
+    base = getattr(origin or tp, "__name__", str(tp))
+    return f"{base}[{', '.join(_annotation_text(a) for a in args)}]" if args else base
+
+
+def shapes(group: str, name: str) -> dict[str, tuple[str, str | None]]:
+    """The options of ``<group>=<name>`` whose dataclass field only takes a list or a mapping (and null), with
+    the list's element type when it is int, float or str: ``{"lengths": ("list", "int"), ...}``."""
+    table, lookup = ((registry.METHODS, registry.method_class) if group == "cache"
+                     else (registry.SUITES, lambda n: registry.suite_class(n).Options))
+    if name not in table:
+        return {}
+    out = {}
+    for f in dataclasses.fields(lookup(name)):
+        shape = _shape_of(_annotation_text(f.type)) if f.init else None
+        if shape is not None:
+            out[f.name] = shape
+    return out
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _shaped(key: str, value, shape: tuple[str, str | None]):
+    """``value`` of an option that takes a list (of ``shape[1]``) or a mapping."""
+    kind, element = shape
+    if kind == "mapping":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, e.g. '{key}={{name: value}}' (got {value!r})")
+        return value
+    if not isinstance(value, list):
+        raise ConfigError(f"{key} must be a list, e.g. '{key}=[{_text(value)}]' (got {value!r})")
+    if element is not None and not all(_ELEMENTS[element][1](v) for v in value):
+        raise ConfigError(f"{key} must be a list of {_ELEMENTS[element][0]}, got {value!r}")
+    return value
+
+
+def _typed_like(key: str, value, default, shape: tuple[str, str | None] | None = None):
+    """``value`` checked against the type of its scalar default (a None default accepts anything), or against
+    ``shape`` (:func:`shapes`) for an option that only takes a list or a mapping; a list or mapping given to any
+    other option is left to the suite or method (``eval.depths`` takes a count or a list of depths)."""
+    if shape is None and isinstance(default, list):
+        shape = ("list", None)
+    if shape is not None and value is not None:
+        return _shaped(key, value, shape)
     if default is None or value is None or isinstance(value, (list, dict)):
         return value
     if isinstance(default, bool):
@@ -120,8 +218,10 @@ def _typed_like(key: str, value, default):
 
 
 def _group(group: str, options: dict) -> dict:
-    defaults = configs.defaults(group, options.get("name")) if isinstance(options.get("name"), str) else {}
-    return {k: _typed_like(f"{group}.{k}", v, defaults.get(k)) for k, v in options.items()}
+    name = options.get("name")
+    defaults = configs.defaults(group, name) if isinstance(name, str) else {}
+    kinds = shapes(group, name) if isinstance(name, str) else {}
+    return {k: _typed_like(f"{group}.{k}", v, defaults.get(k), kinds.get(k)) for k, v in options.items()}
 
 
 def check_config(cfg: dict) -> dict:

@@ -183,8 +183,14 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
             results.write_json(p.run_dir / results.RESOLVED, resolved_record(p, suite))
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
             results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
+            covered = sum(bool((r.get("timing") or {}).get("budget_covers_context")) for r in run.rows)
             results.write_json(p.run_dir / "timing.json",
-                               {**pool_timing(run.rows, cfg), "prefill": prefill_cache.prefill_counts(run.rows)})
+                               {**pool_timing(run.rows, cfg), "prefill": prefill_cache.prefill_counts(run.rows),
+                                "budget_covers_context": covered})
+            if covered:  # once per run: such samples are full attention, not a point of the budget curve
+                print(f"warning: budget={cfg.get('budget')} covers the whole context (prompt + generated tokens) of "
+                      f"{covered} of {len(run.rows)} samples, which ran as full attention (timing.json: "
+                      "budget_covers_context); a budget below the prompt length measures the method", file=sys.stderr)
             if cfg.get("diagnostics"):
                 results.write_json(p.run_dir / "recall.json", pool_recall(run.rows))
         if len(run.rows) > len(samples):
@@ -228,7 +234,10 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
                        min_new_tokens=sample.min_new_tokens, profile=bool(cfg.get("profile")),
                        sampling=sample.sampling, eos_token_ids=sample.eos_token_ids, probe=probe,
                        prefilled=p.prefill)
-        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment, **code)
+        timing = dict(gen.timing(), peak_memory_bytes=peak_memory_bytes(), segment=segment, **code,
+                      # the budget holds every prompt and generated token: nothing was evicted or left unselected
+                      budget_covers_context=method.budget is not None
+                      and method.budget >= gen.n_prompt_tokens + len(gen.token_ids))
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
                "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
         record = results.method_record(method, p.method_name)

@@ -96,8 +96,19 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     tmp = target.with_name(target.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    follow_umask(tmp)
     tmp.rename(target)
     return target
+
+
+def follow_umask(folder: Path) -> None:
+    """Gives every file in ``folder`` the usual ``0666 & ~umask`` mode: safetensors writes ``model.safetensors``
+    through a private temporary file (mode 0600), which would keep a shared cache unreadable to the group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)
 
 
 def smollm2_checkpoint() -> Path:

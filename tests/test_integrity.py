@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,10 +16,10 @@ from helpers import BUDGET_64_HP, DATA_DIR, build_tiny, skip_without_requirement
 
 from evals import harness, plots, results
 from evals.base import DataError
-from evals.config_check import check_config
+from evals.config_check import ConfigError, check_config, shapes
 from evals.harness import USER_ERRORS, run_eval
 from evals.longbench import LongBench
-from evals.registry import METHODS, make_cache
+from evals.registry import METHODS, SUITES, make_cache
 from evals.summary import collect
 from icecache.models import ModelUnavailableError, resolve_dtype, tiny_tokenizer
 
@@ -173,6 +174,12 @@ BAD = {
                              "cache.rerotate must be true or false"),
     "eval.depths=1.5": ({"eval": {"name": "passkey", "depths": 1.5, "lengths": [160]}}, "eval.depths must be"),
     "eval.max_new_tokens=0": ({"eval": {"name": "passkey", "max_new_tokens": 0}}, "eval.max_new_tokens must be >= 1"),
+    "eval.lengths=1024": ({"eval": {"name": "passkey", "lengths": 1024}},
+                          "eval.lengths must be a list, e.g. 'eval.lengths=[1024]'"),
+    "eval.lengths=[abc]": ({"eval": {"name": "passkey", "lengths": ["abc"]}}, "eval.lengths must be a list of whole"),
+    "eval.tasks=vt": ({"eval": {"name": "ruler", "tasks": "vt"}}, "eval.tasks must be a list, e.g. 'eval.tasks=[vt]'"),
+    "cache.dense_layers=3": ({"cache": {"name": "magicpig", "dense_layers": 3}},
+                             "cache.dense_layers must be a list, e.g. 'cache.dense_layers=[3]'"),
 }
 
 
@@ -184,6 +191,22 @@ def test_type_errors_are_one_line_before_the_model_loads(tmp_path, monkeypatch, 
         run_eval(tiny_cfg(tmp_path, **over))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "results").exists()
+
+
+def test_every_list_or_mapping_option_refuses_a_scalar():
+    """Each option whose field only takes a list (or a mapping) names itself and the list spelling."""
+    found = {}
+    for group, names in (("eval", SUITES), ("cache", METHODS)):
+        for name in names:
+            for option, (kind, _) in shapes(group, name).items():
+                found[f"{group}={name} {option}"] = kind
+                cfg = tiny_cfg(Path("/tmp"), **{group: {"name": name, option: 7}})
+                with pytest.raises(ConfigError, match=f"{group}.{option} must be a {kind}, e.g. '{group}.{option}="):
+                    check_config(cfg)
+    assert {"eval=passkey lengths", "eval=latency lengths", "eval=ruler lengths", "eval=ruler tasks",
+            "eval=longbench tasks", "eval=longgenbench types", "cache=magicpig dense_layers",
+            "cache=omnikv filter_layers"} <= {k for k, kind in found.items() if kind == "list"}
+    assert check_config(tiny_cfg(Path("/tmp"), eval={"name": "passkey", "lengths": [1024], "depths": [0.5]}))
 
 
 def test_path_errors_are_one_line(tmp_path, monkeypatch):
@@ -218,6 +241,16 @@ def run_cli(tmp_path, *args, cwd=REPO):
     (["cache=streaming_llm", "cache.rerotate=maybe"], "cache.rerotate must be true or false"),
     (["limit=1.5"], "limit must be >= 1"),
     (["model.name=my-llama", "model.path={ckpt}"], "is not a valid safetensors file"),
+    # Hydra's own refusals (unknown key or group option), read before it composes: the nearest and the valid names
+    (["cache.page_sise=8"], "cache=full has no option 'page_sise' (did you mean cache.page_size=8, an option of "
+                            "cache=quest"),
+    (["cache=icecache", "cache.page_sise=8"], "cache=icecache has no option 'page_sise' (did you mean "
+                                              "cache.page_size=8?); cache=icecache options: always_index, "),
+    (["cache=icecahe"], "cache=icecahe is not an option of cache: did you mean cache=icecache? cache options: "
+                        "arkvale, full, "),
+    (["model=smollm2"], "model=smollm2 is not an option of model: did you mean model=smollm2-135m? model options: "),
+    (["eval.lengths=1024"], "eval.lengths must be a list, e.g. 'eval.lengths=[1024]'"),
+    (["budget=32,64"], "budget=32,64 lists several values: add -m to sweep over them"),
 ])
 def test_cli_type_errors_exit_2_with_one_line(tmp_path, args, message):
     ckpt = corrupt_checkpoint(tmp_path)
@@ -225,6 +258,29 @@ def test_cli_type_errors_exit_2_with_one_line(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no outputs/, no stub run directory
+
+
+def test_ctrl_c_is_one_line_exit_130_and_keeps_the_finished_samples(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), "model=tiny-llama", "cache=streaming_llm",
+                             "budget=32", "eval.lengths=[256]", "eval.depths=200", "progress=false",
+                             f"results_dir={tmp_path / 'r'}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        found = list((tmp_path / "r").glob("passkey/tiny-llama/*/predictions.jsonl"))
+        if found and found[0].read_text().count("\n") >= 1:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    (run_dir,) = (tmp_path / "r").glob("passkey/tiny-llama/*")
+    kept = len(results.load_predictions(run_dir / "predictions.jsonl"))
+    assert 1 <= kept < 200
+    assert err.strip().splitlines() == [f"interrupted: {run_dir} keeps the {kept} finished sample"
+                                        f"{'s' if kept > 1 else ''}; rerun the same command to resume (finished "
+                                        "samples are skipped)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
 # ---------------------------------------------------------------- 4. a cache serves one prompt
@@ -348,6 +404,36 @@ def test_result_files_follow_the_umask(tmp_path):
         os.umask(old)
     for name in ("metrics.json", "timing.json", "config.yaml", "config_hash", "predictions.jsonl"):
         assert (run_dir / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_a_converted_checkpoint_follows_the_umask(tmp_path, monkeypatch):
+    import transformers
+
+    from icecache.models import convert_gguf
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: build_tiny())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    old = os.umask(0o022)
+    try:
+        target = convert_gguf(tmp_path / "model.gguf", tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in target.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes  # safetensors alone writes 0600
+
+
+def test_a_budget_that_covers_the_whole_context_is_flagged(tmp_path, capsys):
+    covered = run_eval(tiny_cfg(tmp_path, budget=4096))  # 160-token prompts
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "covers the whole context" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: budget=4096 covers the whole context")
+    assert "of 3 of 3 samples" in warnings[0]
+    assert json.loads((covered / "timing.json").read_text())["budget_covers_context"] == 3
+    assert all(json.loads(line)["timing"]["budget_covers_context"] for line in lines(covered))
+    budgeted = run_eval(tiny_cfg(tmp_path, budget=32))
+    assert "covers the whole context" not in capsys.readouterr().err
+    assert json.loads((budgeted / "timing.json").read_text())["budget_covers_context"] == 0
+    frame = collect(tmp_path / "results").set_index("budget")
+    assert frame.loc[4096, "budget_covers_context"] == 3 and frame.loc[32, "budget_covers_context"] == 0
 
 
 def test_wandb_logs_a_rerun_of_a_finished_directory(tmp_path, monkeypatch):

@@ -46,9 +46,8 @@ def test_local_submitit_sweep_runs_each_job_in_its_own_directory_and_resumes(tmp
     results_dir, first = tmp_path / "results", tmp_path / "sweep1"
     proc = run_py("-m", *SWEEP, f"results_dir={results_dir}", f"hydra.sweep.dir={first}", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # hydra's own outputs: one subdirectory per job, one submitit folder per job
-    assert sorted(p.name for p in first.iterdir() if not p.name.startswith(".")) == ["0", "1", "2", "3",
-                                                                                    "multirun.yaml"]
+    # hydra's own outputs: multirun.yaml and one submitit folder per job (no empty per-job folders)
+    assert sorted(p.name for p in first.iterdir() if not p.name.startswith(".")) == ["multirun.yaml"]
     runs = job_results(first)
     assert len(runs) == 4 and len(set(runs.values())) == 4, runs
     for run_dir in runs.values():
@@ -71,6 +70,21 @@ def test_local_submitit_sweep_runs_each_job_in_its_own_directory_and_resumes(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(job_results(second).values()) == sorted(runs.values())
     assert snapshot(results_dir) == before  # finished samples are skipped, nothing is rewritten
+
+
+def test_a_sweep_leaves_nothing_in_the_working_directory(tmp_path):
+    """The default (basic) launcher: the run directories, and the sweep's multirun.yaml under results_dir."""
+    work, results_dir = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, str(REPO / "run.py"), "-m", "cache=full,streaming_llm", "budget=32",
+                           "model=tiny-llama", "limit=1", "eval.lengths=[128]", "progress=false",
+                           f"results_dir={results_dir}"], cwd=work, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(work.iterdir()) == []
+    (sweep,) = results_dir.glob("sweeps/*/*")
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+    assert len(list(results_dir.glob("passkey/tiny-llama/*/metrics.json"))) == 2
 
 
 @pytest.mark.slow
