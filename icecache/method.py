@@ -385,6 +385,11 @@ class IceCache(KVMethod):
             return st.resident_tokens()
         return st.buffer.resident_tokens()
 
+    def layer_stats(self, st: IceState) -> dict[str, float]:
+        """How much of this layer's index its searches scored (keys scored as a fraction of the indexed keys,
+        nodes expanded: :meth:`~icecache.dci.MDCIIndex.search_stats`); none for a layer without an index."""
+        return st.index.search_stats() if st.index is not None else {}
+
     def resident_bound(self) -> int:
         """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
         return self.budget + (self.n_slots - self.layout()[2]) * self.page_size

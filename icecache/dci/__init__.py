@@ -25,6 +25,12 @@ API::
     index.page_token_ids(head_idx, page_ids)      # -> LongTensor [..., page_size], -1 padded
     index.page_valid_counts(head_idx, page_ids)   # -> LongTensor [...], 0 for page -1
     index.token_ids, index.token_page, index.token_parent, index.level_sizes, index.max_sq_norm
+    index.search_counts     # int64 [H_q, 2] of the last search, per query head: keys whose q.k it computed
+                            # (upper levels + level 0, each key at most once, <= index.n) and nodes expanded
+                            # (virtual root included)
+    index.search_stats()    # summary of every search so far: search_scored_fraction = mean over searches of
+                            # mean over query heads of keys scored / index.n at that search; its min and max
+                            # over searches and heads; mean keys scored, nodes expanded, index.n; search_calls
 
 ``page_table`` and ``page_valid`` are zero-copy views of the index's storage: re-read them after an
 insert (a split can append page ids and reallocate). Page ``j`` of head 0 and page ``j`` of head 1

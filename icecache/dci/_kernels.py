@@ -343,13 +343,14 @@ def _order_desc(scores, n, keys):
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, official, pages, nodes, pos_pg, pos_sl,
-             best, touched, kept):
+             best, touched, kept, counts):
     """The upper levels of one query head's top-down search (see :func:`search`): from the virtual root,
     expand the kept nodes of a level, sort the children found by score and keep the smallest prefix whose
     level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Every scored child ranks its page,
     or (``official``, the C rule) only the kept prefix. Stops at the nodes whose children are level-0
     pages, written to ``kept``. Returns ``(n_kept, n_touched)``, ``n_kept = 0`` when a level has no
-    children (nothing left to expand)."""
+    children (nothing left to expand). Adds the keys scored on these levels to ``counts[0]`` and the nodes
+    expanded (virtual root included) to ``counts[1]``."""
     cand_s = np.empty(n_upper + 1, dtype=np.float32)
     cand_v = np.empty(n_upper + 1, dtype=np.int64)
     cand_p = np.empty(n_upper + 1, dtype=np.int64)
@@ -366,9 +367,11 @@ def _descend(qv, qp, h, k_pages, fov, prop, chunk, top_level, n_upper, official,
             prefetch(pages.keys, (h, pg, 0, 0))
             prefetch(pages.keys, (h, pg, 1, 0))
         nc = 0
+        counts[1] += n_kept
         for a in range(n_kept):
             n_touched, nc = _expand(h, kept[a], qv, qp, prop, chunk, fov, k_pages, not official, pages, nodes,
                                     pos_pg, pos_sl, best, touched, n_touched, cand_s, cand_v, cand_p, nc)
+        counts[0] += nc  # one candidate per scored child
         if nc == 0:
             return 0, n_touched
         for a in range(nc):  # what the next level reads of each candidate, requested before the sort
@@ -571,11 +574,11 @@ def _top_pages(best, touched, n_touched, out_row, score_row):
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper, max_children, official,
-                  pages, nodes, out, out_scores):
+                  pages, nodes, out, out_scores, counts):
     """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
     descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
     scored for the group in one pass (:func:`_score_level0`), or per query under the C rule
-    (:func:`_rank_top_children`)."""
+    (:func:`_rank_top_children`). Writes ``counts [G, 2]`` (keys scored, nodes expanded; :func:`search`)."""
     n_group = q_group.shape[0]
     n_pages_h = pages.used[h]
     best = np.full((n_group, n_pages_h), -np.inf, dtype=np.float32)
@@ -587,15 +590,20 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
     runs = np.empty((n_group * (n_upper + 1), 4), dtype=np.int64)
     n_runs = 0
     for g in range(n_group):
+        counts[g, 0] = 0
+        counts[g, 1] = 0
         n_kept, n_touched[g] = _descend(q_group[g], qps[g], h, k_pages, fov, prop, chunk, top_level,
                                         n_upper, official, pages, nodes, pos_pg, pos_sl, best[g], touched[g],
-                                        kept)
+                                        kept, counts[g])
         for a in range(n_kept):
             runs[n_runs, 0] = kept[a]
             runs[n_runs, 1] = g
             n_runs += 1
     order = np.argsort(runs[:n_runs, 0], kind="mergesort")
     _level0_runs(h, runs, n_runs, order, qps, prop, chunk, k_pages, pages, nodes, pos_pg, pos_sl)
+    for r in range(n_runs):  # level 0: each run is one expanded node and the children its query scores
+        counts[runs[r, 1], 0] += runs[r, 3] - runs[r, 2]
+        counts[runs[r, 1], 1] += 1
     if official:
         buf_s = np.empty(max_children, dtype=np.float32)
         buf_p = np.empty(max_children, dtype=np.int64)
@@ -611,10 +619,23 @@ def _search_group(q_group, qps, h, k_pages, fov, prop, chunk, top_level, n_upper
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max_children, official, pages, nodes,
-           out, out_scores, n_threads):
+           out, out_scores, counts, n_threads):
     """Top-down page search of every query head (``dci_query``), in parallel on ``n_threads`` threads; writes
-    ``out [H_q, C]`` (page ids, -1 padded) and ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
-    padded), ``C >= k_pages``.
+    ``out [H_q, C]`` (page ids, -1 padded), ``out_scores [H_q, C]`` (best token's ``q.k``, -inf
+    padded), ``C >= k_pages``, and ``counts [H_q, 2]`` (int64), how much of the index each query head's
+    search touched:
+
+    - ``counts[:, 0]``, keys scored: the keys whose ``q.k`` the search computed for that query head, i.e. the
+      children of every node it expanded that the chunk walk visited (:func:`_chunk_walk`; all of them when
+      ``c <= visit_chunk`` or ``prop_to_retrieve = 1``), upper levels and level 0 together. Each key has one
+      parent, so it is counted at most once and ``counts[:, 0] <= n`` (the keys in the index). Under the C
+      rule the level-0 keys are scored and then only the ``K`` best rank pages: still counted. Keys whose
+      dot product :func:`_score_slots3` computes for another query head of the group only (the union of
+      three runs is read once) are not counted for this one: the count is the search's, not the loop's.
+    - ``counts[:, 1]``, nodes expanded: the nodes whose children the search visited, the virtual root
+      included (1 for a one-level tree): the root, then the kept nodes of every upper level.
+
+    The counters cost at most two additions per expanded node, nothing per key.
 
     From the virtual root, expand the kept nodes of a level (:func:`_expand`), sort the children
     found by score and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least
@@ -656,7 +677,7 @@ def search(queries, u, group, k_pages, fov, prop, chunk, top_level, n_upper, max
             h = q0 // group
             q1 = min(end, (h + 1) * group)
             _search_group(qv[q0:q1], qps[q0:q1], h, k_pages, fov, prop, chunk, top_level, n_upper, max_children,
-                          official, pages, nodes, out[q0:q1], out_scores[q0:q1])
+                          official, pages, nodes, out[q0:q1], out_scores[q0:q1], counts[q0:q1])
             q0 = q1
 
 
@@ -869,3 +890,41 @@ def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, p
             changed[h, pg] = True
             most_pages = max(most_pages, nodes.npages[h, node])
     return most_pages
+
+
+# ----------------------------------------------------------------------------- search statistics
+
+# fields of the running totals :func:`tally` keeps (``MDCIIndex.search_stats`` reports them)
+TALLY = ("searches", "indexed_keys", "scored_keys", "scored_fraction", "scored_fraction_min", "scored_fraction_max",
+         "nodes_expanded")
+
+
+def new_tally():
+    """Empty running totals of :func:`tally` (float64, fields :data:`TALLY`; the minimum starts at +inf)."""
+    totals = np.zeros(len(TALLY), dtype=np.float64)
+    totals[4] = np.inf
+    return totals
+
+
+@njit(cache=True, nogil=True)
+def tally(counts, n_keys, totals):
+    """Adds one search's ``counts [H_q, 2]`` (:func:`search`) over an index of ``n_keys`` keys to ``totals``:
+    searches, sum of ``n_keys``, sum of the mean keys scored per query head, sum of the mean fraction scored
+    per query head (keys scored / ``n_keys``), the least and the largest fraction of one query head, sum of
+    the mean nodes expanded per query head. A search of no query head adds nothing."""
+    n_q = counts.shape[0]
+    if n_q == 0:
+        return
+    scored, nodes, lo, hi = 0, 0, counts[0, 0], counts[0, 0]
+    for qh in range(n_q):
+        scored += counts[qh, 0]
+        nodes += counts[qh, 1]
+        lo = min(lo, counts[qh, 0])
+        hi = max(hi, counts[qh, 0])
+    totals[0] += 1.0
+    totals[1] += n_keys
+    totals[2] += scored / n_q
+    totals[3] += scored / (n_q * n_keys)
+    totals[4] = min(totals[4], lo / n_keys)
+    totals[5] = max(totals[5], hi / n_keys)
+    totals[6] += nodes / n_q

@@ -89,6 +89,8 @@ class MDCIIndex:
         self._l1_loc = np.zeros(0, dtype=np.int64)
         self._l1_keys_t = np.zeros((heads, dim, 0), dtype=np.float32)  # level-1 keys, [H, d, n1]
         self._l1_sq = np.zeros((heads, 0), dtype=np.float32)
+        self.search_counts = np.zeros((0, 2), dtype=np.int64)  # the last search's, see search_scored
+        self._tally = _kernels.new_tally()  # running totals of every search, see search_stats
         self._pack()
 
     def _pack(self) -> None:
@@ -195,7 +197,12 @@ class MDCIIndex:
         """The search of :meth:`search` (steered by ``k_pages``), reporting the ``n_candidates >= k_pages``
         best pages it scored per query head with their best token's ``q.k``: ``(LongTensor [H_q, C],
         FloatTensor [H_q, C])``, -1 / -inf padded. The first ``k_pages`` columns equal :meth:`search`;
-        the rest are what a group-level GQA merge (:func:`~icecache.dci.gqa.merge_gqa`) ranks."""
+        the rest are what a group-level GQA merge (:func:`~icecache.dci.gqa.merge_gqa`) ranks.
+
+        Sets :attr:`search_counts`, ``[H_q, 2]`` int64: per query head, column 0 the keys whose ``q.k`` the
+        search computed (at most :attr:`n`, the keys in the index; upper levels included) and column 1 the
+        nodes it expanded, the virtual root included (``_kernels.search``); and adds them to the totals
+        :meth:`search_stats` reports."""
         n_q = queries.shape[0]
         if n_q % self.heads:
             raise ValueError(f"H_q={n_q} is not a multiple of H_kv={self.heads}")
@@ -204,12 +211,39 @@ class MDCIIndex:
         q = _as_f32(queries)
         out = np.empty((n_q, n_candidates), dtype=np.int64)
         scores = np.empty((n_q, n_candidates), dtype=np.float32)
+        counts = np.empty((n_q, 2), dtype=np.int64)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
         _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
                         self.cfg.visit_chunk, self.top_level, self.n_upper, self._max_children,
-                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores,
+                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores, counts,
                         numba.get_num_threads())
+        _kernels.tally(counts, self.n, self._tally)
+        self.search_counts = counts
         return torch.from_numpy(out), torch.from_numpy(scores)
+
+    def search_stats(self) -> dict[str, float]:
+        """How much of the index the searches so far scored (all calls of :meth:`search_scored`; ``{}`` before
+        the first). Per search, per query head ``h``: ``scored_h`` = keys whose ``q.k`` it computed (upper levels
+        and level 0; each key at most once), ``nodes_h`` = nodes expanded (virtual root included), ``n`` = keys
+        in the index at that search (:attr:`search_counts`). Reported:
+
+        - ``search_calls``: number of searches;
+        - ``search_indexed_keys``: mean ``n``;
+        - ``search_scored_keys``: mean over searches of ``mean_h scored_h``;
+        - ``search_scored_fraction``: mean over searches of ``mean_h scored_h / n`` (1.0 = a brute force);
+        - ``search_scored_fraction_min`` / ``_max``: least / largest ``scored_h / n`` over searches and heads;
+        - ``search_nodes_expanded``: mean over searches of ``mean_h nodes_h``.
+        """
+        totals = dict(zip(_kernels.TALLY, self._tally.tolist()))
+        calls = totals["searches"]
+        if not calls:
+            return {}
+        return {"search_calls": calls, "search_indexed_keys": totals["indexed_keys"] / calls,
+                "search_scored_keys": totals["scored_keys"] / calls,
+                "search_scored_fraction": totals["scored_fraction"] / calls,
+                "search_scored_fraction_min": totals["scored_fraction_min"],
+                "search_scored_fraction_max": totals["scored_fraction_max"],
+                "search_nodes_expanded": totals["nodes_expanded"] / calls}
 
     # ------------------------------------------------------------------------- insert
 
