@@ -54,7 +54,7 @@ def test_small_budget_changes_the_output(method, budget):
 
 
 @pytest.mark.parametrize("method,budget,hp", [("h2o", 12, {}), ("h2o", 13, {"group_agg": "max"}),
-                                              ("snapkv", 20, {"window_size": 8})])
+                                              ("snapkv_pinned", 20, {"window_size": 8})])
 def test_resident_never_exceeds_budget(tiny_model, method, budget, hp):
     ids = torch.randint(0, tiny_model.config.vocab_size, (1, 60))
     _, cache = generate_with(tiny_model, ids, 6, method, budget, debug=True, **hp)  # debug asserts each step
@@ -78,7 +78,7 @@ def test_invalid_budgets_are_clear_errors():
     with pytest.raises(ValueError, match="selection"):
         SnapKV(budget=64, selection="per_group")
     with pytest.raises(BudgetError, match="no room for generated"):
-        SnapKV(budget=33)  # pinned: window 32 + 1 voted token leaves no slot for generated tokens
+        SnapKV(budget=33, decode_policy="pinned")  # window 32 + 1 voted token leaves no slot for generated tokens
     SnapKV(budget=33, decode_policy="sliding")
 
 
@@ -263,7 +263,7 @@ def test_snapkv_pinned_keeps_the_selection_and_window_while_generated_tokens_sli
     """budget 8 = window 4 + room 2 + 2 pinned voted; the room first holds the next-best voted tokens (3,
     then 6), which leave lowest-voted first; then generated tokens slide in the room."""
     q, k, v = ranked_inputs({2: 10.0, 7: 10.0, 3: 9.0, 6: 8.0})
-    method = SnapKV(budget=8, window_size=4, kernel_size=1, decode_window=2, debug=True)
+    method = SnapKV(budget=8, window_size=4, kernel_size=1, decode_window=2, decode_policy="pinned", debug=True)
     assert method.room == 2
     st, _ = prefill(method, q, k, v)
     assert sorted(st.pos[0].tolist()) == [2, 3, 6, 7, 12, 13, 14, 15]
@@ -281,7 +281,8 @@ def test_snapkv_pinned_short_prompt_attends_everything_then_evicts_unpinned_pref
     torch.manual_seed(0)
     n, budget = 16, 16
     q, k, v = torch.randn(2, n, 4), torch.randn(1, n, 4), torch.randn(1, n, 4)
-    method = SnapKV(budget=budget, window_size=4, kernel_size=1, decode_window=4, debug=True)  # room 4, 8 pinned
+    method = SnapKV(budget=budget, window_size=4, kernel_size=1, decode_window=4, decode_policy="pinned",
+                    debug=True)  # room 4, 8 pinned
     st, _ = prefill(method, q, k, v)
     assert st.k.shape == (2, n, 4) and sorted(st.pos[0].tolist()) == list(range(n))
     q1, k1, v1 = torch.randn(2, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4)

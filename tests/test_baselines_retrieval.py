@@ -674,7 +674,7 @@ def test_magicpig_calibration_picks_the_smallest_k_whose_expected_sample_fits():
 
     sizes = [expected(bits) for bits in range(13)]
     for target_budget in (520, 300, 100, 40, 12, 7):
-        method = mp.MagicPIG(budget=target_budget, n_tables=20, max_bits=12, local_window=2)
+        method = mp.MagicPIG(budget=target_budget, n_tables=20, max_bits=12, local_window=2, calibrate=True)
         method.bind(spec)
         target = method.sample_target
         fits = [bits for bits, size in enumerate(sizes) if size <= target]

@@ -284,6 +284,20 @@ def table(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFram
     return acc.sort_index(level=["budget", "config"])
 
 
+def misses(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
+    """Every row scored below the full cache on the same sample (``full``: full's score), with its prediction and
+    the commit that measured it, sorted by budget and configuration (``--misses``)."""
+    rows = read_rows(*paths, aliases=aliases)
+    full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"].rename("full")
+    missed = rows[rows["config"] != "full"].join(full, on=["suite", "id"])
+    missed = missed[missed["score"] < missed["full"]].copy()
+    missed["prediction"] = missed["prediction"].map(lambda text: repr(text[:24]))
+    columns = ["budget", "config", "suite", "id", "score", "full", "prediction", *(["commit"] if "commit" in rows else [])]
+    if "commit" in rows:
+        missed["commit"] = missed["commit"].str[:10]
+    return missed[columns].sort_values(["budget", "config", "suite", "id"]).reset_index(drop=True)
+
+
 def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
     """Attention-mass recall of each cell on captured keys (``python -m evals.bench.capture``): for every
     captured budgeted layer, decode query and query head, the share of the exact (fp64) softmax attention
@@ -394,6 +408,8 @@ def main(argv=None) -> None:
     p.add_argument("--table", nargs="*", default=None, help="only print the table of these files (default --out)")
     p.add_argument("--ci", action="store_true", help="with --table: also each configuration's ratio to full on the "
                    "same samples, with a 95%% paired bootstrap interval")
+    p.add_argument("--misses", action="store_true", help="with --table: also list every row scored below the full "
+                   "cache on the same sample")
     p.add_argument("--alias", nargs="*", default=[], metavar="[FILE:]OLD=NEW",
                    help="with --table: rename a configuration label, in the file named FILE only when given")
     p.add_argument("--recall", default=None, help="a capture file (evals.bench.capture): print the attention-mass "
@@ -416,6 +432,8 @@ def main(argv=None) -> None:
         paths = list(map(Path, args.table or [args.out]))
         aliases = parse_aliases(args.alias)
         print(table(*paths, aliases=aliases).to_string())
+        if args.misses:
+            print(misses(*paths, aliases=aliases).to_string())
         if args.ci:
             print(ratio_to_full(read_rows(*paths, aliases=aliases)).to_string())
         return
