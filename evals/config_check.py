@@ -74,15 +74,20 @@ def resolve_device(v) -> str:
 
 def check_results_dir(path: Path) -> None:
     """``results_dir`` must be a directory (or creatable as one) that this user can write."""
+    check_writable_dir(path, "results_dir")
+
+
+def check_writable_dir(path: Path, key: str) -> None:
+    """The setting ``key`` names a directory, or one that can be made, that this user can write."""
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"results_dir={path} is a file, not a directory")
+        raise ConfigError(f"{key}={path} is a file, not a directory")
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"results_dir={path}: {existing} is a file, not a directory")
+        raise ConfigError(f"{key}={path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"results_dir={path}: {existing} is not writable")
+        raise ConfigError(f"{key}={path}: {existing} is not writable")
 
 
 def _model(model: dict) -> dict:

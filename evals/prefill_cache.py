@@ -46,7 +46,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from icecache.kv import KVCache, KVMethod, compat
 
-from .config_check import ConfigError
+from .config_check import ConfigError, check_writable_dir
 from .registry import METHODS, method_class
 
 FORMAT = "icecache-prefill/1"
@@ -349,19 +349,8 @@ def from_config(cfg: dict) -> tuple[dict, PrefillStore | None]:
         raise ConfigError(f"prefill_cache must be a directory path, got {directory!r}")
     path = Path(directory).expanduser()
     path = path if path.is_absolute() else REPO_ROOT / path
-    _check_writable(path)
+    check_writable_dir(path, "prefill_cache")
     return cfg, PrefillStore(path, max_gb, model_id=str((cfg.get("model") or {}).get("name", "")))
-
-
-def _check_writable(path: Path) -> None:
-    """``path`` is a directory, or can be made one, that this user can write."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"prefill_cache={path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"prefill_cache={path}: {existing} is not writable")
 
 
 def prefill_counts(rows: list[dict]) -> dict[str, int]:
