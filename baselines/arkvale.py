@@ -60,7 +60,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
 from icecache.kv.attention import causal_attention
-from icecache.kv.method import append_to_buffer
+from icecache.kv.method import append_to_buffer, tensor_bytes
 from icecache.offload import HostKV
 
 DIGESTS = ("cuboid_mean", "cuboid_center", "cuboid_max")
@@ -291,6 +291,15 @@ class ArkVale(KVMethod):
         st.bytes_moved += 2 * k.numel() * k.element_size()
 
     # ------------------------------------------------------------------ accounting
+    def layer_memory(self, st: LayerState) -> dict[str, int]:
+        """Budgeted layers: the page slots (``budget`` tokens, allocated at prefill) on the device, every token's
+        backup on the host, the page digests as index; dense layers: their K/V on the device."""
+        if not isinstance(st, ArkValeState) or st.host is None:
+            return super().layer_memory(st)
+        return {"device_kv_bytes": tensor_bytes(st.kbuf, st.vbuf),
+                "host_kv_bytes": tensor_bytes(st.host.keys(), st.host.values()),
+                "index_bytes": tensor_bytes(st.centre, st.radius)}
+
     def layer_stats(self, st: LayerState) -> dict[str, float]:
         if not isinstance(st, ArkValeState):
             return {}

@@ -50,8 +50,10 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
+from icecache.kv.method import tensor_bytes
 from icecache.offload import to_store
 
+from . import simhash_tables
 from .common import keep_sinks_and_recent, scaled_layers, spare_cpu_share
 from .simhash_tables import BucketTables, bit_major, build_tables, lookup, simhash
 
@@ -349,6 +351,25 @@ class MagicPIG(KVMethod):
         return partial_attention(q_host, fetched.sk, fetched.sv, self.spec.scaling, fetched.svalid, log_w)
 
     # ------------------------------------------------------------------ accounting
+    def warm_up(self, spec: ModelSpec, n_prompt: int) -> None:
+        """The SimHash and bucket-sort kernels for this model's dtype, the ``K`` this configuration may use and the
+        key ids of a prompt of ``n_prompt`` tokens (:func:`~baselines.simhash_tables.warm_up`)."""
+        n_mid = n_prompt - self.n_sink - self.local
+        if n_mid > 0:
+            bits = range(self.max_bits + 1) if self.calibrate else (self.n_bits,)
+            simhash_tables.warm_up(spec.dtype, n_mid, bits)
+
+    def layer_memory(self, st: PigState) -> dict[str, int]:
+        """Sparse layers: sinks, local window and generated tokens on the device, the offloaded prompt tokens on the
+        host, the bucket tables, centred-key norms and mean key as index; dense layers: their K/V on the device."""
+        if st.store_k is None:
+            return super().layer_memory(st)
+        tables = st.tables
+        index = tensor_bytes(st.knorm, st.mu) + (0 if tables is None else tensor_bytes(
+            tables.order, tables.offsets, tables.sorted_codes))
+        return {"device_kv_bytes": tensor_bytes(st.k, st.v), "host_kv_bytes": tensor_bytes(st.store_k, st.store_v),
+                "index_bytes": index}
+
     def check_resident(self, st: PigState) -> None:
         """Sparse layers: resident prompt tokens (sinks + local) within the exact part of the budget;
         generated tokens are kept on top (exempt, as the official generation buffer)."""

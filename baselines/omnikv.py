@@ -34,6 +34,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits
+from icecache.kv.method import tensor_bytes
 from icecache.offload import to_store
 
 from .common import scaled_layers
@@ -169,6 +170,15 @@ class OmniKV(KVMethod):
     def resident_tokens(self, st: OmniState) -> int:
         part = 0 if st.part_k is None or not self.is_budgeted(st.layer_idx) else st.part_k.shape[1]
         return part + st.resident_tokens()
+
+    def layer_memory(self, st: OmniState) -> dict[str, int]:
+        """Sparse layers: the selected prompt tokens (gathered from the host at each step: transit) and the generated
+        tail on the device, the prompt in the host store; other layers: their K/V on the device."""
+        if st.store_k is None:
+            return super().layer_memory(st)
+        transit = tensor_bytes(st.part_k, st.part_v)
+        return {"device_kv_bytes": tensor_bytes(st.k, st.v) + transit, "transit_bytes": transit,
+                "host_kv_bytes": tensor_bytes(st.store_k, st.store_v)}
 
     def check_resident(self, st: OmniState) -> None:
         """Sparse layers: the selected prompt tokens must fit the budget; the tail (exempt, as in the

@@ -61,6 +61,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.method import append_to_buffer
+from icecache.kv.method import tensor_bytes
 from icecache.offload import HostKV
 
 from .common import keep_sinks_and_recent, spare_cpu_share
@@ -341,6 +342,16 @@ class PQCache(KVMethod):
         st.codes = codes.reshape(h, self.n_subvec, n).permute(0, 2, 1).to(self.spec.device)
         if self.uses_joint_scores:
             st.code_ids = joint_code_ids(st.codes, st.centroids.shape[2])
+
+    def layer_memory(self, st: PQState) -> dict[str, int]:
+        """Sinks and recent window on the device, plus the top-k K/V a step gathers from the host (transit); every
+        token in the host store; the codebooks, codes and tuple counts as index."""
+        if st.store is None:
+            return super().layer_memory(st)
+        transit = min(self.topk, self.n_candidates(st)) * 2 * st.k.shape[0] * st.k.shape[2] * st.k.element_size()
+        return {"device_kv_bytes": tensor_bytes(st.k, st.v) + transit, "transit_bytes": transit,
+                "host_kv_bytes": tensor_bytes(st.store.keys(), st.store.values()),
+                "index_bytes": tensor_bytes(st.centroids, st.codes, st.code_ids, st.code_counts, st.code_mask)}
 
     def layer_stats(self, st: PQState) -> dict[str, float]:
         """Lloyd iterations run on this layer's prompt keys (the most of its KV heads and subspaces)."""

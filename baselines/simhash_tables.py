@@ -156,6 +156,18 @@ def _bucket_sort(codes, order, offsets):
             order_a[slot_a], order_b[slot_b] = i, i
 
 
+def warm_up(dtype: torch.dtype, n_keys: int, bit_counts) -> None:
+    """Compiles (or loads from numba's disk cache) both kernels for the signatures that hashing in ``dtype`` with
+    ``K`` in ``bit_counts`` and the tables of ``n_keys`` keys use (:func:`code_dtype`, :func:`id_dtype`), on one-row
+    arrays; a signature already loaded costs one dispatch."""
+    ints = SIGN_VIEW[torch.empty(0, dtype=dtype).element_size()]
+    for codes in {code_dtype(b) for b in bit_counts}:
+        codes = torch.zeros(1, 2, dtype=codes).numpy()
+        _pack_sign_bits(torch.zeros(1, 1, dtype=dtype).view(ints).numpy(), 1, 1, codes, 0)
+        _bucket_sort(codes, torch.zeros(1, 2, dtype=id_dtype(n_keys)).numpy(),
+                     torch.zeros(1, 3, dtype=id_dtype(n_keys + 1)).numpy())
+
+
 def lookup(tables: BucketTables, q_codes: torch.Tensor, min_collisions: int) -> torch.Tensor:
     """Candidate mask ``[H_kv * G, n]``: keys sharing the query's bucket in ``>= min_collisions`` tables
     (``q_codes: [H_kv, L, G]``, the ``G`` query heads of each group)."""

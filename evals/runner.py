@@ -13,12 +13,28 @@ Timing (PQCache's definitions, the TT2T/TPOT of the IceCache paper):
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from icecache.kv import KVCache, KVMethod, compat
 from icecache.kv.timing import PHASES
+
+
+_WARM_MODELS: "weakref.WeakSet" = weakref.WeakSet()  # models that ran their untimed first generation here
+
+
+def warm_model(model) -> None:
+    """Once per model and process: an untimed generation of 3 tokens after a 16-token prompt with the full cache,
+    so what only a process's first forward pays (lazy initialisation, the first-call set-up of torch's kernels and
+    thread pools) stays out of every timed request, whichever method comes first."""
+    if model in _WARM_MODELS:
+        return
+    _WARM_MODELS.add(model)
+    from baselines.full import FullCache
+
+    generate(model, None, FullCache(), [0] * 16, 3, ignore_eos=True)
 
 
 def _now(device: torch.device) -> float:
@@ -43,13 +59,14 @@ class Generation:
     method_stats: dict[str, list[float | None]] = field(default_factory=dict)  # KVCache.method_stats
     recall: dict | None = None  # diagnostics=recall: RecallProbe.summary() (None without the probe)
     prefill: str = "live"  # "replayed": the prompt's K/V came from a captured prefill (evals/prefill_cache.py)
+    memory: dict[str, int] = field(default_factory=dict)  # KVCache.memory_bytes after the last step
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
                 "breakdown_s": self.breakdown_s, "n_prompt_tokens": self.n_prompt_tokens,
                 "effective_tokens": self.effective_tokens, "max_resident_tokens": self.max_resident_tokens,
                 "transfer_bytes": self.transfer_bytes, "peak_memory_bytes": self.peak_memory_bytes,
-                "method_stats": self.method_stats, "prefill": self.prefill}
+                "method_stats": self.method_stats, "prefill": self.prefill, **self.memory}
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -77,10 +94,15 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
     returns the logits instead of the prefill forward, or None to run the prefill live; ``Generation.prefill``
     records which ("replayed" or "live"), and a replayed TTFT excludes the prefill. ``probe`` (a
     :class:`~icecache.kv.recall.RecallProbe`, ``diagnostics=recall``) measures the attention-mass recall of every
-    decode step; its time is the ``diagnostics`` entry of the breakdown."""
+    decode step; its time is the ``diagnostics`` entry of the breakdown. Before the clock starts the model
+    (:func:`warm_model`, once per process) and the method warm up (:meth:`~icecache.kv.KVMethod.warm_up`: its numba
+    kernels compiled or loaded for this model and prompt), so no request times a compilation; after the last step ``Generation.memory`` records the cache's
+    :meth:`~icecache.kv.KVCache.memory_bytes`."""
     device = next(model.parameters()).device
+    warm_model(model)
     replay = None if prefilled is None else prefilled.prefill_for(model, method, prompt_ids)
     cache = KVCache.for_model(method, model, profile=profile, probe=probe)
+    method.warm_up(cache.spec, len(prompt_ids))
     kw = compat.cache_kwargs(cache)
     default_eos = _stop_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids)
     eos = set(stop_token_ids) | (set() if ignore_eos else default_eos)
@@ -137,7 +159,7 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
             method_stats=cache.method_stats(), recall=None if probe is None else probe.summary(),
-            prefill="live" if replay is None else "replayed")
+            prefill="live" if replay is None else "replayed", memory=cache.memory_bytes())
     finally:
         cache.close()
 

@@ -33,6 +33,10 @@ class Timing(TypedDict):
     effective_tokens_per_layer: list[float | None]  # mean past tokens attended per head, per layer
     method_stats: dict[str, list[float | None]]  # per layer, mean over samples: KVMethod.layer_stats (MagicPIG's K)
     max_resident_tokens: int
+    device_kv_bytes: int | None  # max over samples: K/V a GPU run holds in device memory (transit buffers included)
+    transit_bytes: int | None  # the transit part of device_kv_bytes
+    host_kv_bytes: int | None  # K/V in the host offload store
+    index_bytes: int | None  # retrieval metadata: M-DCI arrays, PQ codebooks and codes, LSH tables, page digests
     transfer_bytes_per_token: float | None
     peak_memory_bytes: int | None
     n_process_segments: int
@@ -59,7 +63,8 @@ class Recall(TypedDict, total=False):
 RECALL_SCALARS = ("recall_mean", "recall_common_mean", "error_mean", "needle_share_mean", "needle_top_mean")
 
 # the timing numbers every consumer shows next to the score
-TIMING_SCALARS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens")
+TIMING_SCALARS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "peak_memory_bytes", "max_resident_tokens",
+                  "device_kv_bytes", "host_kv_bytes", "index_bytes")
 
 
 def _read_json(path: Path) -> dict | None:

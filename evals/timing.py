@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from icecache.hardware import cpu_info
+from icecache.kv.method import MEMORY_KEYS
 from icecache.models import dtype_record, resolve_dtype
 
 from .results import git_state
@@ -32,7 +33,9 @@ def tpot_stats(intervals: list[float]) -> dict:
 def pool_timing(rows: list[dict], cfg: dict) -> Timing:
     """``timing.json`` from the rows' per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3 of all
     samples (:func:`tpot_stats`), breakdown per output token. Peak memory is the maximum over every process
-    that wrote rows (each row records its process's peak)."""
+    that wrote rows (each row records its process's peak); the KV memory by place (``device_kv_bytes``,
+    ``transit_bytes``, ``host_kv_bytes``, ``index_bytes``: :meth:`icecache.kv.KVCache.memory_bytes`) the maximum
+    over samples."""
     timings = [r["timing"] for r in rows if r.get("timing")]
     intervals = [x for t in timings for x in t["intervals_s"]]
     n_tok = len(intervals)
@@ -62,6 +65,7 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
         "effective_tokens_per_layer": effective,
         "method_stats": method_stats,
         "max_resident_tokens": max((t.get("max_resident_tokens", 0) for t in timings), default=0),
+        **{key: max((t[key] for t in timings if t.get(key) is not None), default=None) for key in MEMORY_KEYS},
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
         "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
         "n_process_segments": len(segments),

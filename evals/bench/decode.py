@@ -21,7 +21,8 @@ first cell, :func:`warm_jit`, so no cell's TT2T includes a compilation; and each
 short generation with its method, :func:`warm_cell`, so its TT2T is a request's, not the process's first:
 loading the numba kernels from the disk cache cost ~0.2 s per kernel at its first call), and each records its peak memory
 (``peak_rss_bytes``, the process's ``ru_maxrss``: model + prefill + decode; on CUDA also
-``peak_memory_bytes``, max allocated), which is how the prefill memory bound of a method is measured.
+``peak_memory_bytes``, max allocated), which is how the prefill memory bound of a method is measured, and its KV
+memory by place after the last step (``device_kv_bytes``, what a GPU holds; ``host_kv_bytes``; ``index_bytes``).
 A cell that fails is recorded with its error and the run goes on. The file is rewritten after every
 cell; ``--resume`` keeps the finished cells of ``--out`` (same model, budget and number of new tokens)
 and measures the missing or failed ones, so a long run can be extended.
@@ -90,14 +91,16 @@ def llama_8b_random(device: str):
 
 def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
             profile: bool = False) -> dict:
-    """One timed generation of ``method``: its timings, and the commit and resolved configuration it ran."""
+    """One timed generation of ``method``: its timings, its KV memory by place (``device_kv_bytes``, of which
+    ``transit_bytes``, ``host_kv_bytes``, ``index_bytes``: :meth:`icecache.kv.KVCache.memory_bytes`, the same on a CPU
+    and a GPU), and the commit and resolved configuration it ran."""
     built = make_method(method, budget=None if method == "full" else budget)
     gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
     return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
-            "peak_memory_bytes": gen.peak_memory_bytes, **row_provenance(built, method)}
+            "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, method)}
 
 
 def parse_args(argv):

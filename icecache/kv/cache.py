@@ -23,7 +23,7 @@ import contextvars
 import torch
 
 from . import compat
-from .method import KVMethod, LayerState, ModelSpec
+from .method import MEMORY_KEYS, KVMethod, LayerState, ModelSpec
 from .timing import PhaseTimer
 
 _ACTIVE_CACHE: contextvars.ContextVar["KVCache | None"] = contextvars.ContextVar("kvbench_cache", default=None)
@@ -205,6 +205,17 @@ class KVCache(compat.Cache):
     def bytes_moved(self) -> int:
         """Bytes copied from offload stores into fast memory so far, over all layers."""
         return sum(s.bytes_moved for s in self.states)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """``{device_kv_bytes, transit_bytes, host_kv_bytes, index_bytes}`` summed over layers
+        (:meth:`KVMethod.layer_memory`: what a GPU run would hold in device memory, of which transit buffers,
+        apart from the host offload store and the retrieval metadata), after any background work."""
+        self.wait_background()
+        total = dict.fromkeys(MEMORY_KEYS, 0)
+        for s in self.states:
+            for key, value in self.method.layer_memory(s).items():
+                total[key] += int(value)
+        return total
 
     def max_budgeted_resident(self) -> int:
         """The largest resident set (past tokens in fast memory) over the budgeted layers."""

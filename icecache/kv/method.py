@@ -21,6 +21,7 @@ of past tokens attended per head, per layer.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +29,20 @@ import torch
 
 from .attention import attend, causal_attention
 from .timing import PhaseTimer
+
+
+MEMORY_KEYS = ("device_kv_bytes", "transit_bytes", "host_kv_bytes", "index_bytes")  # KVMethod.layer_memory
+_WARMED: set = set()  # warm-up keys (KVMethod.warm_once) already run in this process
+
+
+def tensor_bytes(*tensors) -> int:
+    """Bytes of the elements of ``tensors`` (torch tensors or numpy arrays, as shaped: a prefix view counts its
+    own elements, not its buffer's capacity); None entries count 0."""
+    total = 0
+    for x in tensors:
+        if x is not None:
+            total += x.numel() * x.element_size() if torch.is_tensor(x) else x.nbytes
+    return total
 
 
 class BudgetError(ValueError):
@@ -300,10 +315,66 @@ class KVMethod:
         the resident positions (methods whose ``fetch`` returns the resident K/V)."""
         return st.pos
 
+    # ------------------------------------------------------------------ first request
+    def warm_up(self, spec: ModelSpec, n_prompt: int) -> None:
+        """Called by the runner before a request's clock starts (:func:`evals.runner.generate`): compiles or loads
+        whatever the method's first request in a process would otherwise compile or load inside its timed phases
+        (numba kernels, for this model's dtype, device and shapes and a prompt of ``n_prompt`` tokens), so a
+        process's first request is timed like its tenth. Leaves this method's own state as it was. Default:
+        nothing."""
+
+    def warm_once(self, key) -> bool:
+        """True the first time this process asks for ``(type(self), key)``: a warm-up that costs more than a
+        kernel dispatch runs once per process and signature, not once per request."""
+        key = (type(self), key)
+        if key in _WARMED:
+            return False
+        _WARMED.add(key)
+        return True
+
+    def rehearse(self, spec: ModelSpec, n_prompt: int, n_steps: int, **changes) -> None:
+        """Runs a copy of this method (``dataclasses.replace(self, **changes)``: same hyperparameters, states of its
+        own) through a prefill of ``n_prompt`` random tokens and ``n_steps`` decode steps of a model of ``spec``'s
+        shapes, dtype and device, by the calls a request makes (:meth:`KVCache.run_attention`), then discards it.
+        The global random generators are left as they were."""
+        from .cache import KVCache
+
+        method = dataclasses.replace(self, **changes)
+        devices = [spec.device] if spec.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            gen = torch.Generator().manual_seed(0)
+
+            def draw(heads: int, n: int) -> torch.Tensor:
+                return torch.randn(heads, n, spec.head_dim, generator=gen).to(spec.device, spec.dtype)
+            cache = KVCache(method, spec)
+            try:
+                cache.begin_prefill()
+                for layer in range(spec.n_layers):
+                    cache.run_attention(layer, draw(spec.n_q_heads, n_prompt), draw(spec.n_kv_heads, n_prompt),
+                                        draw(spec.n_kv_heads, n_prompt))
+                for _ in range(n_steps):
+                    cache.begin_step()
+                    for layer in range(spec.n_layers):
+                        cache.run_attention(layer, draw(spec.n_q_heads, 1), draw(spec.n_kv_heads, 1),
+                                            draw(spec.n_kv_heads, 1))
+                    cache.end_step()
+                cache.wait_background()
+            finally:
+                cache.close()
+
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: LayerState) -> int:
         """Past tokens of this layer held in fast (device) memory between steps."""
         return st.resident_tokens()
+
+    def layer_memory(self, st: LayerState) -> dict[str, int]:
+        """Bytes one layer holds, by where a GPU run keeps them (:data:`MEMORY_KEYS`, summed over layers by
+        :meth:`KVCache.memory_bytes`): ``device_kv_bytes``, the K/V in device memory (the resident set, and
+        ``transit_bytes``, the part of it that stages or gathers K/V brought from the host at a step);
+        ``host_kv_bytes``, the K/V of the host offload store; ``index_bytes``, the method's retrieval metadata
+        (codes, tables, indexes). Counted from the method's buffers, so the numbers are the same whether the run
+        is on a CPU or a GPU. Default: every token's K/V resident on the device."""
+        return {"device_kv_bytes": tensor_bytes(st.k, st.v)}
 
     def layer_stats(self, st: LayerState) -> dict[str, float]:
         """Method-specific numbers of one layer for the run's record (``timing.json`` ``method_stats``, e.g.
