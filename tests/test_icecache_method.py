@@ -507,8 +507,9 @@ def test_smollm2_passkey_budget_64_matches_full(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
-    """Issue-13 guard on the default preset: 2 lengths x 2 depths x 2 seeds (not the defaults' seed 0) at
-    budget 64; IceCache must answer every pass key the full cache answers. Each prompt is prefilled once
+    """Guard on the tuned variant's small-budget choices: 2 lengths x 2 depths x 2 seeds (not the seeds it was
+    chosen on) at budget 64; ``icecache_tuned`` must answer every pass key the full cache answers (the official
+    configuration's one retrieved 16-token page misses some: docs/official.md). Each prompt is prefilled once
     and replayed into both caches (evals.bench.ablation.Prefilled; a test there checks replay = live)."""
     _smollm2_or_skip()
     from evals.bench.ablation import Prefilled
@@ -523,11 +524,11 @@ def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
             prefilled = Prefilled.capture(model, sample.prompt_ids)
             answers = {name: generate(model, tokenizer, make_method(name, **hp), sample.prompt_ids,
                                       sample.max_new_tokens, prefilled=prefilled).text
-                       for name, hp in (("full", {}), ("icecache", {"budget": 64, "debug": True}))}
+                       for name, hp in (("full", {}), ("icecache_tuned", {"budget": 64, "debug": True}))}
             if suite.score(sample, answers["full"])["score"]:
                 found += 1
-                if not suite.score(sample, answers["icecache"])["score"]:
-                    misses.append((seed, sample.id, sample.reference, answers["icecache"]))
+                if not suite.score(sample, answers["icecache_tuned"])["score"]:
+                    misses.append((seed, sample.id, sample.reference, answers["icecache_tuned"]))
     assert found >= 6, "full should find most of these keys"
     assert not misses
 
