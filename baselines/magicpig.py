@@ -210,6 +210,14 @@ class MagicPIG(KVMethod):
         self.proj = torch.randn(spec.head_dim, self.n_tables, bits, generator=generator)
         self._matrices.clear()
 
+    def bound_settings(self) -> dict:
+        """The dense layers (scaled to the model's depth when ``None``) and where the tables are built (``None``:
+        on the background worker when the prefill leaves a core idle; where, never what: the tables are equal)."""
+        background = self.background_build
+        if background is None:
+            background = spare_cpu_share(self.spec.device) > 0
+        return {"dense_layers": sorted(self.dense), "background_build": background}
+
     def hash_codes(self, x: torch.Tensor, n_bits: int) -> torch.Tensor:
         """SimHash codes ``[..., L]`` of ``x`` with the first ``n_bits`` projections of each table, computed in
         ``x``'s dtype (the bit-major projection matrix kept per ``(K, dtype)``)."""
@@ -238,10 +246,7 @@ class MagicPIG(KVMethod):
         st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])  # on CPU views of the prefill K/V
         keep_sinks_and_recent(st, self.n_sink, self.local)  # the prompt's sinks and local window stay resident
         st.buffers.clear()  # the store may alias them: generated tokens go to buffers of their own
-        background = self.background_build
-        if background is None:
-            background = spare_cpu_share(self.spec.device) > 0
-        if background:
+        if self.bound_settings()["background_build"]:
             self.submit_background(st, self.build_index, st)
         else:
             self.build_index(st)

@@ -119,6 +119,9 @@ class OmniKV(KVMethod):
             raise ValueError(f"omnikv: filter_layers {filters} must be layers of a {spec.n_layers}-layer model")
         self.roles = layer_roles(spec.n_layers, filters, self.wait_layers)
 
+    def bound_settings(self) -> dict:
+        return {"filter_layers": sorted(layer for layer, (role, _) in self.roles.items() if role == "filter")}
+
     def make_state(self, layer_idx: int) -> OmniState:
         return OmniState(layer_idx)
 

@@ -29,7 +29,8 @@ SHA = re.compile(r"[0-9a-f]{40}")
 
 # Fields that hold None after construction by design, not because a preset was left unresolved: the full cache
 # has no budget; OmniKV and MagicPIG scale their filter / dense layers to the model's depth when bound to a
-# model, and MagicPIG decides where to build its tables at each prefill from the CPU cores left idle.
+# model, and MagicPIG decides where to build its tables from the CPU cores left idle: each row states those
+# values under ``method_bound`` (test below).
 NONE_BY_DESIGN = {FullCache: {"budget"}, OmniKV: {"filter_layers"}, MagicPIG: {"dense_layers", "background_build"}}
 
 
@@ -190,3 +191,11 @@ def test_a_local_checkpoint_is_identified_by_a_cheap_checksum(tmp_path):
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten a second later
     assert model_record({"name": "m", "path": str(folder)})["checksum"] != record["checksum"]
+
+
+@pytest.mark.parametrize("name", ["omnikv", "magicpig", "magicpig_calibrated"])
+def test_fields_resolved_from_the_model_are_stated_in_every_row(tmp_path, name):
+    """The fields a method resolves when bound to the model are in each row, so no field stays unresolved."""
+    run_dir = run_eval(tiny_cfg(tmp_path, name, budget=24))
+    row = json.loads((run_dir / "predictions.jsonl").read_text().splitlines()[0])
+    assert set(row["method_bound"]) == none_by_design(name) and None not in row["method_bound"].values()

@@ -207,6 +207,11 @@ class KVMethod:
     def bind(self, spec: ModelSpec) -> None:
         self.spec = spec
 
+    def bound_settings(self) -> dict:
+        """Hyperparameters left ``None`` at construction that :meth:`bind` resolves from the model (layer ids
+        scaled to its depth), as the run record states them; ``{}`` when a method has none."""
+        return {}
+
     def new_state(self, layer_idx: int) -> LayerState:
         """A layer's new state, also kept in ``layer_states``: the one way a layer reads another layer's state
         (IceCache(reuse)'s anchors, OmniKV's filter layers). Subclasses override :meth:`make_state`."""
