@@ -31,7 +31,7 @@ METHODS: dict[str, str] = {
     "magicpig": "baselines.magicpig:MagicPIG",
     "magicpig_calibrated": "baselines.magicpig:MagicPIGCalibrated",
     "icecache": "icecache.method:IceCache",
-    "icecache_tuned": "icecache.method:IceCacheTuned",
+    "icecache_tuned": "icecache.tuned:IceCacheTuned",
     "icecache_reuse": "icecache.reuse:IceCacheReuse",
     "icecache_reuse_rerank": "icecache.reuse:IceCacheReuseRerank",
     "kvpress": "baselines.kvpress_adapter:KVPress",

@@ -10,7 +10,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from icecache.method import IceCache, IceCacheTuned, IceState
+from icecache.method import IceCache, IceState
+from icecache.tuned import IceCacheTuned
 
 
 class ReuseState(IceState):
@@ -208,7 +209,7 @@ def union_rows(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 @dataclass
 class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
     """IceCache(reuse) with this project's extensions (``cache=icecache_reuse_rerank``), a registered variant of
-    :class:`IceCacheReuse`: every deviation of :class:`~icecache.method.IceCacheTuned` (``page_size`` 8 below 256
+    :class:`IceCacheReuse`: every deviation of :class:`~icecache.tuned.IceCacheTuned` (``page_size`` 8 below 256
     tokens, ``prop_to_retrieve=1``, ``candidate_rule="scored"``, ``short_prompt="offload"``,
     ``prefill_pipeline="overlap"``, ``projection="seeded"``: the numbers are there), plus (docs/benchmarks.md, "Why IceCache(reuse) loses
     pass keys at 64 tokens" and "IceCache(reuse) with candidates of its own"; SmolLM2-135M, passkey 2k + 4k x 10
