@@ -51,7 +51,7 @@ model-qwen2.5-coder: setup
 # project needs that its image lacks (docs/gpu.md). Its torch, transformers (5.17, inside our pin), numba,
 # numpy, pandas, matplotlib, accelerate, safetensors, pyyaml, tqdm, threadpoolctl and pytest are used as
 # they are. antlr4-python3-runtime and jieba are published as source only: pure Python, built into
-# wheels here. scripts/gpu_check.sh installs whatever is in $(GPU_WHEELS)/; the device tool carries 64 MiB.
+# wheels here. scripts/gpu_check.sh installs whatever is in $(GPU_WHEELS)/.
 GPU_WHEELS ?= gpu_wheels
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64

@@ -154,3 +154,17 @@ def natural_prompt_ids(tokenizer, n_tokens: int) -> torch.Tensor:
         "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 400)
     return torch.tensor([tokenizer(text)["input_ids"][:n_tokens]])
 
+
+def generate_twice(model, ids: torch.Tensor, method: str, **options) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy tokens and logits of two 12-token generations, each with a fresh cache of ``method``."""
+    outs = []
+    for _ in range(2):
+        cache = make_cache(method, model, **options)
+        try:
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache,
+                                 output_logits=True, return_dict_in_generate=True)
+        finally:
+            cache.close()
+        outs.append((out.sequences, torch.stack(out.logits)))
+    return outs
+

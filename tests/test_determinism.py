@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
-from helpers import BUDGET_64_HP, build_tiny, skip_without_requirement
+from helpers import BUDGET_64_HP, build_tiny, generate_twice, skip_without_requirement
 
 from baselines import pqcache as pq
 from evals.prefill_cache import Prefill, replay_refusal
-from evals.registry import METHODS, make_cache, make_method
+from evals.registry import METHODS, make_method
 from evals.runner import generate
 
 BUDGET = 64  # valid for every method's own constraints (test_reliability.py's SMALL_BUDGET)
@@ -48,26 +48,12 @@ def method_options(method: str) -> dict:
     return {"budget": None if method == "full" else BUDGET, **BUDGET_64_HP.get(method, {})}
 
 
-def generate_twice(model, ids: torch.Tensor, method: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Greedy tokens and logits of two generations, each with a fresh cache of ``method``."""
-    outs = []
-    for _ in range(2):
-        cache = make_cache(method, model, **method_options(method))
-        try:
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache,
-                                 output_logits=True, return_dict_in_generate=True)
-        finally:
-            cache.close()
-        outs.append((out.sequences, torch.stack(out.logits)))
-    return outs
-
-
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_same_seed_gives_identical_outputs_under_load(busy_cores, method):
     skip_without_requirement(method)
     model = build_tiny(n_kv_heads=2, n_heads=4, n_layers=8)
     ids = torch.randint(0, 200, (1, 160), generator=torch.Generator().manual_seed(0))
-    (seq_a, logits_a), (seq_b, logits_b) = generate_twice(model, ids, method)
+    (seq_a, logits_a), (seq_b, logits_b) = generate_twice(model, ids, method, **method_options(method))
     assert all(p.poll() is None for p in busy_cores), "the load ended before the test did"
     assert torch.equal(seq_a, seq_b) and torch.equal(logits_a, logits_b)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUDGET_64_HP, build_tiny, skip_without_requirement
+from helpers import BUDGET_64_HP, build_tiny, generate_twice, skip_without_requirement
 
 from evals.registry import METHODS, make_cache
 from icecache.models import ModelUnavailableError, load_model
@@ -80,15 +80,7 @@ def test_same_seed_gives_identical_outputs(method):
     model = build_tiny(n_kv_heads=2, n_heads=4, n_layers=8)
     ids = torch.randint(0, 200, (1, 160), generator=torch.Generator().manual_seed(0))
     budget = None if method == "full" else SMALL_BUDGET
-    outs = []
-    for _ in range(2):
-        cache = make_cache(method, model, budget=budget, **BUDGET_64_HP.get(method, {}))
-        try:
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache,
-                                 output_logits=True, return_dict_in_generate=True)
-        finally:
-            cache.close()
-        outs.append((out.sequences, torch.stack(out.logits)))
+    outs = generate_twice(model, ids, method, budget=budget, **BUDGET_64_HP.get(method, {}))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
