@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# GPU readiness check in one command (docs/gpu.md): (a) install the wheels carried in gpu_wheels/ (if
-# any; `make gpu-wheels` fills it), (b) the CUDA tests, (c) the decode benchmark of llama-8b-random
-# (Llama-3.1-8B-shaped, random weights) at 8k/32k/128k for full, icecache, icecache_reuse, quest, omnikv,
-# pqcache and magicpig at budget 256 with 64 new tokens (breakdown, TT2T, peak GPU memory), (d) one JSON
-# and one markdown table -- all within 9 minutes (--deadline S), elapsed time printed per part.
+# GPU check in one command, for any CUDA machine (docs/gpu.md): (a) install the wheels in gpu_wheels/ (if
+# any; `make gpu-wheels` fills it for a machine without a package registry), (b) the CUDA tests, (c) the
+# decode benchmark of llama-8b-random (Llama-3.1-8B-shaped, random weights) at 8k/32k/128k for full,
+# icecache, icecache_reuse, quest, omnikv, pqcache and magicpig at budget 256 with 64 new tokens
+# (breakdown, TT2T, peak GPU memory), (d) one JSON and one markdown table -- all within --deadline S
+# seconds (default 1200), elapsed time printed per part.
 #
-#   scripts/gpu_check.sh [OUTDIR] [--cpu | --dry-run] [--deadline S] [--skip-tests]
+#   scripts/gpu_check.sh [OUTDIR] [--cpu | --dry-run] [--deadline S] [--skip-tests] [--methods ...] [--lengths ...]
 #
-# OUTDIR defaults to $OUT (the device tool's folder) or gpu_check_out/. --cpu / --dry-run runs the same
-# steps at tiny sizes on the CPU (tiny-llama, 512-2048 tokens). PY picks the interpreter (default: .venv's
-# python when there is one, else python3, which is the one holding PyTorch on the H200 machine).
+# OUTDIR defaults to $OUT or gpu_check_out/. --cpu / --dry-run runs the same steps at tiny sizes on the CPU
+# (tiny-llama, 512-2048 tokens). PY picks the interpreter (default: .venv's python when there is one, else
+# python3, e.g. the one holding PyTorch in a CUDA container image).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -17,13 +18,16 @@ if [ -z "${PY:-}" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 WHEELS=${GPU_WHEELS:-gpu_wheels}
-outdir="" cpu=0 args=()
-for a in "$@"; do
-    case "$a" in
-        --cpu|--dry-run) cpu=1; args+=("$a") ;;
-        --*) args+=("$a") ;;
-        *) if [ -z "$outdir" ]; then outdir=$a; else args+=("$a"); fi ;;
+outdir="" cpu=0 deadline=1200 args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu|--dry-run) cpu=1; args+=("$1") ;;
+        --deadline) deadline=$2; shift ;;
+        --deadline=*) deadline=${1#--deadline=} ;;
+        --*) args+=("$1") ;;
+        *) if [ -z "$outdir" ] && [ ${#args[@]} -eq 0 ]; then outdir=$1; else args+=("$1"); fi ;;
     esac
+    shift
 done
 outdir=${outdir:-${OUT:-gpu_check_out}}
 mkdir -p "$outdir"
@@ -31,23 +35,25 @@ exec > >(tee "$outdir/gpu_check.log") 2>&1  # the whole output, part (a) include
 tee_pid=$!
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 
-# (a) wheels: no package registry on the GPU machine; the missing packages travel as wheels
+# (a) wheels: on a machine without a package registry the missing packages come as wheels
 echo "== (a) wheels from $WHEELS/"
 shopt -s nullglob
 wheels=("$WHEELS"/*.whl)
 if [ ${#wheels[@]} -eq 0 ]; then
     echo "   none carried (the CUDA tests and the benchmark need only torch, transformers, numba, numpy)"
 elif [ $cpu -eq 1 ]; then
-    # the wheels are for the H200 machine's Python 3.12: check that every one installs there (pip's
-    # resolver for cp312 / manylinux_2_28 x86_64), and really install the pure-Python ones into a scratch
-    # folder that is not put on the path (this environment has its own copies)
+    # the wheels are for the target machine's Python (GPU_PYTHON, default 3.12, as in the Makefile): check
+    # that every one installs there (pip's resolver for that CPython / manylinux_2_28 x86_64), and really
+    # install the pure-Python ones into a temporary folder that is not put on the path (this environment
+    # has its own copies)
+    target_py=${GPU_PYTHON:-3.12}
     scratch=$(mktemp -d)
-    "$PY" -m pip install --dry-run -q --no-index --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --target "$scratch/cp312" "${wheels[@]}" \
-        && echo "   all ${#wheels[@]} wheels install on CPython 3.12 / manylinux_2_28 x86_64"
+    "$PY" -m pip install --dry-run -q --no-index --no-deps --only-binary=:all: --python-version "$target_py" \
+        --implementation cp --platform manylinux_2_28_x86_64 --target "$scratch/target" "${wheels[@]}" \
+        && echo "   all ${#wheels[@]} wheels install on CPython $target_py / manylinux_2_28 x86_64"
     pure=("$WHEELS"/*-py3-none-any.whl "$WHEELS"/*-py2.py3-none-any.whl)
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" "${pure[@]}" \
-        && echo "   dry run: the ${#pure[@]} pure-Python wheels installed into a scratch folder (not used here)"
+        && echo "   dry run: the ${#pure[@]} pure-Python wheels installed into a temporary folder (not used here)"
     rm -rf "$scratch"
 else
     site=${GPU_SITE:-/tmp/gpu_site}
@@ -62,8 +68,8 @@ fi
 wheels_s=$(( $(date +%s) - start ))
 echo "== (a) wheels: ${wheels_s} s"
 
-deadline=$(( 540 - wheels_s ))
-GPU_CHECK_WHEELS_S=$wheels_s "$PY" scripts/gpu_check.py "$outdir" --deadline "$deadline" "${args[@]}"
+left=$(( ${deadline%.*} - wheels_s ))
+GPU_CHECK_WHEELS_S=$wheels_s "$PY" scripts/gpu_check.py "$outdir" --deadline "$left" "${args[@]}"
 rc=$?
 echo "== total: $(( $(date +%s) - start )) s (exit $rc)"
 exec 1>&- 2>&-

@@ -1,15 +1,17 @@
-"""The time plan of ``scripts/gpu_check.sh`` on an H200, from pieces measured on this CPU.
+"""The time plan of ``scripts/gpu_check.sh`` on a given GPU, from pieces measured on this CPU.
 
 The check decodes ``llama-8b-random`` (Llama-3.1-8B's shape) at 8k/32k/128k for seven methods. What runs
-on the GPU is estimated from the H200's measured rates (bf16 GEMM ~790 TFLOP/s, copies ~4.3 TB/s,
-docs of the device tool) at a stated efficiency; what runs on the host CPU -- the M-DCI index build and
-search (IceCache), the k-means (PQCache) and the hash tables and sampled attention (MagicPIG) -- is
-*measured here* at the 8B layer shape (8 KV heads, 32 query heads, head_dim 128) at two sizes,
-extrapolated in the context length with the exponent measured between them, and divided by
-``--cpu-speedup`` (the H200 host has 16 cores, this machine 2 shared ones). The per-layer Python
-dispatch of each method's decode step is measured on the tiny model here and counted for 32 layers.
+on the GPU is estimated from the GPU's rates (``--tflops`` bf16 GEMM, ``--bandwidth`` device memory; the
+defaults are an H200's, ~790 TFLOP/s and ~4.3 TB/s) at a stated efficiency; what runs on the host CPU --
+the M-DCI index build and search (IceCache), the k-means (PQCache) and the hash tables and sampled
+attention (MagicPIG) -- is *measured here* at the 8B layer shape (8 KV heads, 32 query heads, head_dim
+128) at two sizes, extrapolated in the context length with the exponent measured between them, and
+divided by ``--cpu-speedup`` (how much faster the GPU machine's host cores are than this machine's). The
+per-layer Python dispatch of each method's decode step is measured on the tiny model here and counted for
+32 layers.
 
-    python scripts/gpu_plan.py [--sizes 2048 8192] [--cpu-speedup 3] [--out gpu_plan.json]
+    python scripts/gpu_plan.py [--sizes 2048 8192] [--cpu-speedup 3] [--tflops 790] [--bandwidth 4.3]
+                               [--out gpu_plan.json]
 
 Prints one row per (method, length): prefill, background build (the part not hidden behind the
 prefill), TPOT, and the cell's seconds for 64 tokens; writes them as JSON for ``scripts/gpu_check.py``.
@@ -40,7 +42,7 @@ LENGTHS = (8192, 32768, 131072)
 # Llama-3.1-8B
 N_LAYERS, H_Q, H_KV, D, HIDDEN, PARAMS = 32, 32, 8, 128, 4096, 8.03e9
 WEIGHT_BYTES = 2 * PARAMS  # bf16
-# H200 (the device tool's measurements): bf16 GEMM 790 TFLOP/s, device copies ~4.3 TB/s
+# default GPU rates (an H200): bf16 GEMM 790 TFLOP/s, device memory ~4.3 TB/s; --tflops / --bandwidth
 GEMM_FLOPS, HBM_BYTES_S = 790e12, 4.3e12
 PREFILL_EFFICIENCY, DECODE_EFFICIENCY = 0.5, 0.7
 PCIE_BYTES_S = 25e9  # pinned host -> device, Gen5 x16 in practice
@@ -145,13 +147,14 @@ def extrapolate(sizes: list[int], values: list[float], n: int, lowest: float = 1
 
 
 def plan(pieces: dict[int, dict], dispatch: dict[str, float], counts: dict, cpu_speedup: float,
-         new_tokens: int = 64, budget: int = 256) -> dict:
+         new_tokens: int = 64, budget: int = 256, gemm_flops: float = GEMM_FLOPS,
+         hbm_bytes_s: float = HBM_BYTES_S) -> dict:
     sizes = sorted(pieces)
     rows = {}
     for m in METHODS:
         for L in LENGTHS:
             flops = 2 * (PARAMS - 128256 * HIDDEN) * L + 2 * L * L * N_LAYERS * H_Q * D  # causal: 4 L^2/2
-            prefill = flops / (GEMM_FLOPS * PREFILL_EFFICIENCY)
+            prefill = flops / (gemm_flops * PREFILL_EFFICIENCY)
             kv_bytes = L * N_LAYERS * H_KV * D * 2 * 2
             c = counts[m]
             dense = N_LAYERS - c["budgeted"]
@@ -170,7 +173,7 @@ def plan(pieces: dict[int, dict], dispatch: dict[str, float], counts: dict, cpu_
                 host = extrapolate(sizes, [p[n]["step"] for n in sizes], L) * c["budgeted"] / cpu_speedup
             elif m == "omnikv":
                 host = c["budgeted"] * budget * H_KV * D * 2 * 2 / PCIE_BYTES_S
-            tpot = read / (HBM_BYTES_S * DECODE_EFFICIENCY) + host + dispatch[m] * N_LAYERS
+            tpot = read / (hbm_bytes_s * DECODE_EFFICIENCY) + host + dispatch[m] * N_LAYERS
             ttft = max(prefill, build) + prefill * 0.1  # the build overlaps the prefill; the rest shows in TT2T
             rows.setdefault(m, {})[str(L)] = {"prefill_s": prefill, "background_build_s": build,
                                               "tpot_s": tpot, "cell_s": ttft + new_tokens * tpot}
@@ -181,7 +184,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs=2, type=int, default=[2048, 8192])
     parser.add_argument("--cpu-speedup", type=float, default=3.0,
-                        help="host work on the H200 machine's 16 cores vs this machine (default 3)")
+                        help="host work on the GPU machine's cores vs this machine's (default 3)")
+    parser.add_argument("--tflops", type=float, default=GEMM_FLOPS / 1e12, help="the GPU's bf16 GEMM TFLOP/s")
+    parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_S / 1e12,
+                        help="the GPU's device-memory bandwidth in TB/s")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="gpu_plan.json")
     args = parser.parse_args(argv)
@@ -190,7 +196,8 @@ def main(argv=None) -> None:
     pieces = {n: cpu_pieces(n) for n in args.sizes}
     dispatch = dispatch_per_layer()
     counts = layer_counts()
-    rows = plan(pieces, dispatch, counts, args.cpu_speedup)
+    rows = plan(pieces, dispatch, counts, args.cpu_speedup, gemm_flops=args.tflops * 1e12,
+                hbm_bytes_s=args.bandwidth * 1e12)
     print("host pieces per layer here (s):", json.dumps({n: {m: {k: round(v, 4) for k, v in d.items()}
                                                              for m, d in p.items()} for n, p in pieces.items()}))
     print("dispatch per layer per step here (ms):", {m: round(1000 * v, 3) for m, v in dispatch.items()})

@@ -36,3 +36,12 @@ def test_report_renders_measured_skipped_and_failed_cells():
     assert "| icecache | 8192 | 1.50 | 10.0 |" in md and "| 0.50 |" in md
     assert "planned 150 s > 20 s left" in md and "RuntimeError: boom" in md
     assert all(line.count("|") == 12 for line in md.splitlines() if line.startswith("| "))
+
+
+def test_the_documented_time_plan_is_the_one_the_check_uses():
+    """docs/gpu.md's "Time plan" table is ``PLAN_S``, row for row."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    table = text[text.index("## Time plan"):]
+    for method, by_len in gpu_check.PLAN_S.items():
+        cells = " | ".join(f"{by_len[L]:,}" for L in gpu_check.GPU["lengths"])
+        assert f"| {method} | {cells} |" in table, method
