@@ -301,7 +301,7 @@ def test_snapkv_pinned_short_prompt_attends_everything_then_evicts_unpinned_pref
 
 @pytest.mark.parametrize("policy,keeps_window", [("pinned", True), ("sliding", False)])
 def test_snapkv_observation_window_survives_generation_only_when_pinned(policy, keeps_window):
-    """Issue 21: ``sliding`` pushes the observation window (the LongBench question) out during the first
+    """``sliding`` pushes the observation window (the LongBench question) out during the first
     window_size generated tokens; ``pinned`` never does."""
     model = build_tiny("tiny-llama", 2, 4)
     ids = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))

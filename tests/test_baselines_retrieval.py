@@ -358,7 +358,7 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
 
 # ---------------------------------------------------------------------------------------- MagicPIG
 def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
-    """Issue 21, item 5: once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
+    """Once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
     keep the device prefill buffer alive (a prefix view did), and the generated tail lives in its own
     small buffer rather than being written into that one. On CPU the store is that buffer's memory itself."""
     import gc
@@ -620,7 +620,7 @@ def test_invalid_budgets_fail_at_config_time(method, budget):
         make_method(method, budget=budget)
 
 
-# ------------------------------------------------------------------------- MagicPIG: issue 21, item 3
+# ------------------------------------------------------------------------- MagicPIG: the estimator and its K
 def test_magicpig_default_is_the_official_configuration():
     """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
     from evals.configs import compose_config

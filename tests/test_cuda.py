@@ -6,7 +6,7 @@ flash-attn prefill path agrees with sdpa.
 
 Run them on a GPU machine with ``pytest -m cuda`` (``scripts/gpu_check.sh`` does). With
 ``ICECACHE_CUDA_TESTS_DEVICE=cpu`` the device-independent ones (bf16 equality, phase sums, bulk-load
-contents) run on the CPU in bf16, to check the tests themselves where no GPU is lent; the CUDA-only
+contents) run on the CPU in bf16, to check the tests themselves on a machine without a GPU; the CUDA-only
 properties (pinned memory, copies, events, memory statistics, flash-attn) then skip.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Latency without implementation artifacts (issue 14): amortised appends into preallocated stores,
+"""Latency without implementation artifacts: amortised appends into preallocated stores,
 one contiguous transfer per bulk load, and no host syncs in the decode step beyond the index's own."""
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def test_missing_or_malformed_data(tokenizer, tmp_path):
         list(LongGenBench(tokenizer, data_dir=tmp_path, judge_model=None).samples())
 
 
-# ------------------------------------------------------------------ official decoding and judge (issue 16)
+# ------------------------------------------------------------------ official decoding and judge
 @pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")
 def test_official_sampling_by_default_greedy_as_an_option(tokenizer):
     official = list(LongGenBench(tokenizer, data_dir=DATA_DIR, types=["Week"], limit=2, max_length=32768,

@@ -1,4 +1,4 @@
-"""Golden prompts per paper model (issue 16): the wrapper each model's config chooses, checked as exact strings
+"""Golden prompts per paper model: the wrapper each model's config chooses, checked as exact strings
 built from the official templates' text, with tokenizer stubs (byte-level, one token per byte, the model's
 BOS) where the weights and tokenizers are absent. Sources: THUDM/LongBench config/dataset2prompt.json and
 pred.py build_chat, IceCache benchmark/longbench_pred.py build_chat, FastChat vicuna_v1.1, NVIDIA/RULER
