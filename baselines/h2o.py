@@ -71,7 +71,7 @@ class H2O(KVMethod):
         group_agg: how the G query heads of a KV head combine their scores: mean (kvpress), sum, max.
         chunk_size: queries per chunk of the prefill attention (64: fastest of 32/64/128 at 8k, one SmolLM2
             layer in bf16 on 2 threads, "AMD EPYC" with AVX512-BF16: 0.437 / 0.418 / 0.677 s, sdpa 0.547 s;
-            at 16k 3.17 s against sdpa's 2.18 s, docs/benchmarks.md).
+            at 16k 3.17 s against sdpa's 2.18 s; the decode benchmark, docs/benchmarks.md).
     """
 
     heavy_ratio: float = 0.5

@@ -121,7 +121,8 @@ def machine() -> dict:
 def omp_wait_record() -> str:
     """How this process's idle OpenMP threads wait (read by libgomp at start-up): ``spin N`` when
     ``GOMP_SPINCOUNT`` sets it, else ``OMP_WAIT_POLICY`` lower-cased, or ``default`` (libgomp's ~300k-iteration
-    spin, then sleep). Passive waiting costs every parallel op a thread wake-up (docs/benchmarks.md)."""
+    spin, then sleep). Passive waiting costs every parallel op a thread wake-up (docs/benchmarks.md, "Threads and
+    OpenMP waiting")."""
     spin = os.environ.get("GOMP_SPINCOUNT")
     return f"spin {spin}" if spin else os.environ.get("OMP_WAIT_POLICY", "default").lower()
 

@@ -84,7 +84,8 @@ def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slo
     Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``.
     Serial on purpose: a parallel copy halved it without the model (32k, 28 layers: 3.7-3.9 -> 1.6-1.7 ms per
     token), but in the decode benchmark IceCache's 32k TPOT was 101.0 / 103.8 ms with it and 81.4 without (numba's
-    spinning pool worker competes with torch's ops after a second parallel region per layer; docs/benchmarks.md)."""
+    spinning pool worker competes with torch's ops after a second parallel region per layer; docs/benchmarks.md,
+    "Threads and OpenMP waiting")."""
     s = positions.shape[1]
     for i in range(n):
         for j in range(s):

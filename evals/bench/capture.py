@@ -1,11 +1,12 @@
-"""Capture real post-RoPE keys and decode queries of SmolLM2 for the index benchmark (docs/benchmarks.md).
+"""Capture real post-RoPE keys and decode queries of SmolLM2 for the index benchmark (docs/benchmarks.md,
+"Index benchmark").
 
 Usage::
 
     python -m evals.bench.capture --out keys.pt [--data-dir ../shared/data] [--tokens 8000]
 
 The prompt is ~``--tokens`` tokens of Paul Graham essays (``<data_dir>/pg_essays/PaulGrahamEssays.json``)
-with a pass-key sentence at 40% depth and a question at the end (docs/benchmarks.md). The model
+with a pass-key sentence at 40% depth and a question at the end (docs/benchmarks.md, "Index benchmark"). The model
 (``smollm2-135m``, bf16, CPU) runs the prefill and ``--steps`` greedy decode steps with a
 :class:`CaptureCache` (a ``FullCache`` that records the keys of the prompt and the decode queries).
 

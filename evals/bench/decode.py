@@ -31,7 +31,7 @@ and measures the missing or failed ones, so a long run can be extended.
 round ``r + 1`` starts), so the cells that are compared run minutes, not a whole run, apart; a cell's row is then
 the median of its repeats for each timing and each phase (the phases' medians need not sum to the median TPOT)
 and its peak memory the maximum, with every repeat kept under ``runs``. On a shared machine whose speed drifts
-(docs/benchmarks.md: full's ``other`` 20.5 to 44.5 ms per token on one day) one cell per method cannot separate
+(docs/benchmarks.md, "Threads and OpenMP waiting": repeats vary by up to ~15%) one cell per method cannot separate
 10% effects.
 
 OpenMP waiting (``--omp-wait``, CPU; recorded per cell as ``omp_wait``): ``spin`` (default) is libgomp's own

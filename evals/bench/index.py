@@ -15,7 +15,7 @@ Without a file, synthetic clustered keys with temporal locality are used (and th
 
 Times are per layer (``H_kv`` KV heads, ``H_q`` query heads, ``K = 12`` pages), measured side by side
 in one process on ``torch.set_num_threads(2)``; the brute force is the exact top-``16K`` tokens of
-``q.K`` in torch bf16 on the same keys. Recall (docs/benchmarks.md) is the share of the exact fp64
+``q.K`` in torch bf16 on the same keys. Recall (docs/benchmarks.md, "Index benchmark") is the share of the exact fp64
 softmax attention of a query head that falls on the tokens it may attend to: sink pages, window
 pages and the pages (or tokens) a selector retrieves for its KV head.
 
@@ -56,7 +56,8 @@ from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.kv import ModelSpec
 
 PAGE = 16
-# budget in tokens -> (sink pages, window pages, retrieved pages) of the authors' index runs (docs/benchmarks.md)
+# budget in tokens -> (sink pages, window pages, retrieved pages) of the authors' index runs
+# (docs/benchmarks.md, "Index benchmark")
 BUDGETS = {512: (2, 2, 28), 256: (2, 2, 12), 128: (2, 2, 4), 64: (1, 2, 1)}
 SIZES = (8192, 32768, 131072)
 K_TIMING = 12

@@ -53,7 +53,7 @@ children (``fov`` above level 0, ``K`` at level 0) and, above level 0, ``K`` lev
 are scored. So a node with ``c <= 128`` children -- nearly every node with the default ratios -- is
 scored in full, and ``prop_to_retrieve`` only matters for larger nodes. ``visit_chunk=1`` gives the
 first port's rule (exactly ``ceil(0.8 c)`` children); on the captured SmolLM2 keys it lowers the
-recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md.
+recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md, "Index benchmark".
 
 Threads: ``search`` runs in parallel over shares of the query heads (numba ``prange``; ``numba.set_num_threads``),
 ``bulk_load`` over KV heads, the dense parent searches in torch (``torch.set_num_threads``). Both use

@@ -27,7 +27,8 @@ class DCIConfig:
             token the search scores, upper levels included; ``"official"``: the C code's rule (``dci.c``,
             ``dci_query_single_point`` with ``add_to_list``): the kept prefix of each upper level and the
             ``K`` best scored children of each expanded level-1 node. The default's candidates are a
-            superset; on captured SmolLM2 keys they raise the attention recall (docs/benchmarks.md).
+            superset; on captured SmolLM2 keys they raise the attention recall (docs/fidelity.md, "IceCache and
+            IceCache(reuse)").
         exact_parent_threshold: parents are found by exact brute force while the upper level has at
             most this many points (``numa_threshold`` = 3000, ``src/dci.c`` construction).
         anchor_interval: every ``anchor_interval``-th level-0 point is an anchor (60, bf16 branch).

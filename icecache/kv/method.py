@@ -257,7 +257,7 @@ class KVMethod:
         (:meth:`close`; the next submit starts a new one): a thread that ran parallel torch or numba work keeps
         an OpenMP team of its own while it lives, and libgomp then counts more threads than cores and cuts
         every team's spin-wait to a few microseconds, so each parallel op of the decode paid a thread wake-up
-        (docs/benchmarks.md, "after the background-worker fix")."""
+        (docs/benchmarks.md, "Threads and OpenMP waiting")."""
         if st.pending is None:
             return
         pending, st.pending = st.pending, None
