@@ -215,7 +215,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.environ.get("OUT") or "gpu_check_out")
+    parser.add_argument("out", nargs="?", default="gpu_check_out")
     parser.add_argument("--deadline", type=float, default=1200.0,
                         help="seconds for everything (default 1200; cells that would not fit are skipped)")
     parser.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",

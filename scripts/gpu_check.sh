@@ -8,7 +8,7 @@
 #
 #   scripts/gpu_check.sh [OUTDIR] [--cpu | --dry-run] [--deadline S] [--skip-tests] [--methods ...] [--lengths ...]
 #
-# OUTDIR defaults to $OUT or gpu_check_out/. --cpu / --dry-run runs the same steps at tiny sizes on the CPU
+# OUTDIR defaults to gpu_check_out/. --cpu / --dry-run runs the same steps at tiny sizes on the CPU
 # (tiny-llama, 512-2048 tokens). PY picks the interpreter (default: .venv's python when there is one, else
 # python3, e.g. the one holding PyTorch in a CUDA container image).
 set -uo pipefail
@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-outdir=${outdir:-${OUT:-gpu_check_out}}
+outdir=${outdir:-gpu_check_out}
 mkdir -p "$outdir"
 exec > >(tee "$outdir/gpu_check.log") 2>&1  # the whole output, part (a) included, also lands in the log
 tee_pid=$!
