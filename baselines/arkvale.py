@@ -23,7 +23,7 @@ partial one included) and ``page_budgets - n_sink_pages - n_win_pages`` pages re
   The official default ``n_groups = 1`` makes one group of every head: the layer selects one page set for
   all KV heads (a page holds every head's keys), which is what this port does.
 * **Prefill** (``prefill_evict_extra_pages``): exact attention; every page is backed up to host memory
-  (:class:`~icecache.offload.HostKV`); when the prompt has more than ``page_budgets`` pages, the last
+  (:class:`~icecache.kv.storage.HostKV`); when the prompt has more than ``page_budgets`` pages, the last
   prompt query scores the pages and the top ``page_budgets - n_sink - n_win`` of the pages between the sinks
   and the window stay resident.
 * **Decode** (``KvCache._decode_alloc_1_page``): a token that starts a new page when every slot is used
@@ -60,8 +60,8 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState
 from icecache.kv.attention import causal_attention
-from icecache.kv.method import append_to_buffer, tensor_bytes
-from icecache.offload import HostKV
+from icecache.kv.base import tensor_bytes
+from icecache.kv.storage import HostKV, append_to_buffer
 
 DIGESTS = ("cuboid_mean", "cuboid_center", "cuboid_max")
 

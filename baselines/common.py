@@ -1,11 +1,9 @@
-"""Mechanics shared by the baselines (in the spirit of NVIDIA kvpress' ``ScorerPress``: the policy in each
-method's file, the shared slicing and checks here).
+"""Configuration helpers and checks shared by the baselines (their storage mechanics are in
+:mod:`icecache.kv.storage`).
 
-- :func:`keep_sinks_and_recent`: the "first ``n_sink`` + last ``n_recent`` tokens" cut (StreamingLLM's kept
-  set; the resident part of PQCache and MagicPIG).
-- :func:`evict_slot`: an O(1) one-token eviction (the newest token takes the leaving one's slot).
 - :func:`scaled_layers`: an official layer choice for 32-layer Llama scaled to the model's depth
   (OmniKV's filter layers, MagicPIG's dense layers).
+- :func:`spare_cpu_share`: the cores an official index build overlaps with the prefill (PQCache, MagicPIG).
 - :class:`AttendedSetState` / :func:`check_attended`: methods that keep every key resident but attend a
   subset (Quest, TOP-k) check the attended set against the budget instead of the resident one.
 """
@@ -19,28 +17,6 @@ import torch
 from icecache.kv import LayerState
 
 OFFICIAL_DEPTH = 32  # the official configurations are for 32-layer Llama models
-
-
-def sinks_and_recent(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
-    """Indices ``[0, n_sink) + [n - n_recent, n)`` of ``n`` tokens."""
-    return torch.cat([torch.arange(n_sink), torch.arange(n - n_recent, n)]).to(device)
-
-
-def keep_sinks_and_recent(st: LayerState, n_sink: int, n_recent: int) -> None:
-    """Keeps the ``n_sink`` first and ``n_recent`` last resident tokens of ``st`` (``k, v: [H, n, d]``, ``pos: [n]``)."""
-    keep = sinks_and_recent(st.k.shape[1], n_sink, n_recent, st.k.device)
-    st.k, st.v, st.pos = st.k[:, keep], st.v[:, keep], st.pos[keep]
-
-
-def evict_slot(st: LayerState, slot: torch.Tensor) -> None:
-    """Removes the resident token in ``slot`` (a 0-d index, the same in every head) in O(1): the last resident
-    token moves into it and ``k, v: [H, n, d]``, ``pos: [n]`` shrink by one, staying prefix views of their
-    buffers (:meth:`~icecache.kv.KVMethod.store` then appends in place). Slots are no longer in position order."""
-    last = st.k.shape[1] - 1
-    index = slot.view(1)
-    for x, dim in ((st.k, 1), (st.v, 1), (st.pos, 0)):
-        x.index_copy_(dim, index, x.narrow(dim, last, 1).clone())
-    st.k, st.v, st.pos = st.k[:, :last], st.v[:, :last], st.pos[:last]
 
 
 def scaled_layers(official: Sequence[int], n_layers: int) -> tuple[int, ...]:

@@ -26,9 +26,9 @@ from typing import ClassVar
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod
+from icecache.kv import Fetched, KVMethod
 from icecache.kv.attention import attention_logits, expand_heads
-from icecache.kv.per_head import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, append_scores,
+from icecache.kv.storage import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, append_scores,
                                   evict_one_per_head, keep_per_head, store_per_head)
 
 
@@ -81,8 +81,8 @@ class H2O(KVMethod):
 
     def validate(self) -> None:
         if not 0.0 <= self.heavy_ratio < 1.0:
-            raise BudgetError(f"h2o: heavy_ratio must be in [0, 1) so the recent window is not empty, "
-                              f"got {self.heavy_ratio}")
+            raise ValueError(f"h2o: heavy_ratio must be in [0, 1) so the recent window is not empty, "
+                             f"got {self.heavy_ratio}")
         if self.group_agg not in GROUP_AGGREGATIONS:
             raise ValueError(f"h2o: group_agg must be one of {GROUP_AGGREGATIONS}, got '{self.group_agg}'")
         if self.chunk_size <= 0:

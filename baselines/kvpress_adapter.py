@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from icecache.kv import KVMethod
-from icecache.kv.per_head import PerHeadState, keep_per_head, store_per_head
+from icecache.kv import KVMethod, compat
+from icecache.kv.storage import PerHeadState, keep_per_head, store_per_head
 
 # ScorerPress subclasses whose score() reads only (module, hidden_states, keys, values, kwargs[position_embeddings])
 TESTED_PRESSES = ("SnapKVPress", "ExpectedAttentionPress", "TOVAPress", "KnormPress", "StreamingLLMPress")
@@ -101,9 +101,8 @@ class KVPress(KVMethod):
         """Registers the capture pre-hook on every ``self_attn`` of ``model`` (replacing an earlier KVPress
         method's hook there, so a layer has one), and the rotary module and model statistics presses read."""
         self._press.post_init_from_model(model)
-        for layer_idx, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            attn.rotary_emb = model.model.rotary_emb  # as BasePress.__call__ (kvpress/presses/base_press.py)
+        for layer_idx, attn in enumerate(compat.attention_modules(model)):
+            attn.rotary_emb = compat.rotary_embedding(model)  # as BasePress.__call__ (kvpress/presses/base_press.py)
             previous = getattr(attn, "_kvpress_capture", None)
             if previous is not None:
                 previous.remove()

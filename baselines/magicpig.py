@@ -50,11 +50,11 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
-from icecache.kv.method import tensor_bytes
-from icecache.offload import to_store
+from icecache.kv.base import tensor_bytes
+from icecache.kv.storage import keep_sinks_and_recent, to_store
 
 from . import simhash_tables
-from .common import keep_sinks_and_recent, scaled_layers, spare_cpu_share
+from .common import scaled_layers, spare_cpu_share
 from .simhash_tables import BucketTables, bit_major, build_tables, lookup, simhash
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
@@ -191,7 +191,7 @@ class MagicPIG(KVMethod):
             raise BudgetError(f"magicpig: budget {self.budget} must be >= n_sink + 2 = {self.n_sink + 2} "
                               "(sinks, a local window and a sampled part)")
         if not 1 <= self.min_collisions <= self.n_tables:
-            raise BudgetError(f"magicpig: need 1 <= min_collisions ({self.min_collisions}) <= n_tables ({self.n_tables})")
+            raise ValueError(f"magicpig: need 1 <= min_collisions ({self.min_collisions}) <= n_tables ({self.n_tables})")
         self.check_whole("n_bits", "n_sink", "local_window", "max_bits", "seed")
         self.check_whole("n_tables", "min_collisions", minimum=1)
         self.check_choice("calibrate", (False, True))

@@ -32,10 +32,10 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv import Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits
-from icecache.kv.method import tensor_bytes
-from icecache.offload import to_store
+from icecache.kv.base import tensor_bytes
+from icecache.kv.storage import to_store
 
 from .common import scaled_layers
 
@@ -104,9 +104,9 @@ class OmniKV(KVMethod):
 
     def validate(self) -> None:
         if self.selector not in SELECTORS:
-            raise BudgetError(f"omnikv: selector must be one of {SELECTORS}, got '{self.selector}'")
+            raise ValueError(f"omnikv: selector must be one of {SELECTORS}, got '{self.selector}'")
         if self.wait_layers < 0:
-            raise BudgetError(f"omnikv: wait_layers must be >= 0, got {self.wait_layers}")
+            raise ValueError(f"omnikv: wait_layers must be >= 0, got {self.wait_layers}")
         self.check_whole("wait_layers")
         if self.filter_layers is not None and not all(isinstance(f, int) and f >= 0 for f in self.filter_layers):
             raise ValueError(f"omnikv: filter_layers must be layer ids (whole numbers >= 0), got {self.filter_layers}")

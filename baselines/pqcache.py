@@ -60,11 +60,10 @@ from typing import ClassVar
 import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-from icecache.kv.method import append_to_buffer
-from icecache.kv.method import tensor_bytes
-from icecache.offload import HostKV
+from icecache.kv.base import tensor_bytes
+from icecache.kv.storage import HostKV, append_to_buffer, keep_sinks_and_recent
 
-from .common import keep_sinks_and_recent, spare_cpu_share
+from .common import spare_cpu_share
 
 
 JOINT_CODES_MAX = 1 << 16  # most tuples of codes scored one by one (the official 2 sub-vectors x 6 bits: 4096)
@@ -221,7 +220,7 @@ def joint_code_scores(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Te
 class PQState(LayerState):
     """Resident (what ``resident_tokens`` counts): sinks + recent window (``k, v, pos``); the top-k are
     gathered per step and dropped after attention. Offload store: every token (``store``, a growable
-    :class:`~icecache.offload.HostKV`, pinned on CUDA). PQ: ``centroids [H_kv, m, C, d/m]`` and
+    :class:`~icecache.kv.storage.HostKV`, pinned on CUDA). PQ: ``centroids [H_kv, m, C, d/m]`` and
     ``codes [H_kv, n_coded, m]`` (a prefix view of a growable buffer) for positions ``n_sink...``; with joint
     scores also their tuple ids ``code_ids [H_kv, n_coded]`` (likewise), ``code_counts [H_kv, C^m]``, the
     candidates per tuple among the first ``n_counted`` coded tokens, and ``code_mask``, its
@@ -287,7 +286,7 @@ class PQCache(KVMethod):
 
     def validate(self) -> None:
         if self.n_subvec not in (1, 2, 4, 8, 16):
-            raise BudgetError(f"pqcache: n_subvec must be one of 1, 2, 4, 8, 16, got {self.n_subvec}")
+            raise ValueError(f"pqcache: n_subvec must be one of 1, 2, 4, 8, 16, got {self.n_subvec}")
         if self.recent < 1 or self.topk < 1:
             raise BudgetError(f"pqcache: budget {self.budget} leaves no room for a recent window and a top-k "
                               f"after {self.n_sink} sinks (recent={self.recent}, top-k={self.topk}); "

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from icecache.kv import BudgetError, Fetched, KVMethod
-from icecache.kv.method import append_to_buffer
+from icecache.kv.storage import append_to_buffer
 
 from .common import AttendedSetState, check_attended
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from icecache.kv import BudgetError, KVMethod, causal_attention
 from icecache.kv.attention import attention_logits, expand_heads
-from icecache.kv.per_head import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, remove_slot,
+from icecache.kv.storage import (GROUP_AGGREGATIONS, PerHeadState, aggregate_group, keep_per_head, remove_slot,
                                   store_per_head)
 
 POOLINGS = ("max", "avg")

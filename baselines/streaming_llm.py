@@ -21,7 +21,7 @@ import torch
 
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 
-from .common import evict_slot, keep_sinks_and_recent
+from icecache.kv.storage import evict_slot, keep_sinks_and_recent
 
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ class StreamingLLM(KVMethod):
 
     def observe(self, st: LayerState, q, fetched, selection) -> None:
         """Once the layer holds ``budget + 1`` tokens, the oldest non-sink one leaves, in O(1)
-        (:func:`~baselines.common.evict_slot`: the newest token takes its slot)."""
+        (:func:`~icecache.kv.storage.evict_slot`: the newest token takes its slot)."""
         if st.k.shape[1] > self.budget:
             oldest = torch.where(st.pos >= self.n_sink, st.pos, st.n_seen).argmin()
             evict_slot(st, oldest)

@@ -37,7 +37,9 @@ import torch
 from icecache.kv import BudgetError, Fetched, KVMethod
 from icecache.kv.attention import attention_logits
 
-from .common import AttendedSetState, check_attended, sinks_and_recent
+from icecache.kv.storage import sinks_and_recent
+
+from .common import AttendedSetState, check_attended
 
 HEAD_MODES = ("query", "kv")
 KV_RANKINGS = ("sum", "max")  # heads=kv: sum of the softmax | max of the logits

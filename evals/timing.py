@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from icecache.hardware import cpu_info
-from icecache.kv.method import MEMORY_KEYS
+from icecache.kv.base import MEMORY_KEYS
 from icecache.models import dtype_record, resolve_dtype
 
 from .results import git_state

@@ -70,7 +70,7 @@ import torch
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-from icecache.kv.method import tensor_bytes
+from icecache.kv.base import tensor_bytes
 from icecache.offload import OffloadStore
 from icecache.resident import ResidentBuffer
 

@@ -1,5 +1,5 @@
-"""The host offload stores: :class:`HostKV` for every offloading method, and IceCache's :class:`OffloadStore`
-with its page bulk loader (Mao et al., "IceCache", ICLR 2026; official ``infer_state.py``: ``recall``,
+"""IceCache's host offload store :class:`OffloadStore`, a :class:`~icecache.kv.storage.HostKV` with a page bulk
+loader (Mao et al., "IceCache", ICLR 2026; official ``infer_state.py``: ``recall``,
 ``scatter_pages``).
 
 :class:`OffloadStore` holds the K/V of one layer's offloaded tokens in host memory (pinned when the
@@ -24,97 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from icecache.kv.method import grown_capacity
-
-
-def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host buffer, page-locked (pinned) when ``pin`` (the model runs on CUDA)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
-
-
-def to_store(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in host memory for a baseline's (append-free) offload store: one copy, straight into pinned
-    memory, when ``x`` is on CUDA; ``x`` itself (no copy) when it is already on the host, so the caller must
-    not write into ``x``'s storage afterwards (drop the resident buffers it came from: ``st.buffers.clear()``).
-    On CPU this saves one copy of the offloaded K/V (MagicPIG, SmolLM2 at 8k: 176 MB)."""
-    return host_empty(x.shape, x.dtype, pin=True).copy_(x.detach()) if x.is_cuda else x.detach()
-
-
-class HostKV:
-    """Growable host-memory K/V ``k_data, v_data: [H, capacity, d]`` of one layer, shared by every
-    offloading method; row ``r`` holds position ``base_pos + r``, and positions ``first_pos .. end_pos - 1``
-    are the stored ones. :meth:`append` writes the new rows in place and grows the capacity geometrically
-    (:func:`~icecache.kv.method.grown_capacity`), so a decode step copies one token, not the store (the
-    official PQCache writes one row into a preallocated buffer: ``vq_method/retrieval_based/pq_search.py``).
-    Memory is pinned when the model runs on CUDA, so the device copies to and from it are asynchronous."""
-
-    def __init__(self, k_data: torch.Tensor, v_data: torch.Tensor, base_pos: int, first_pos: int, end_pos: int,
-                 pin: bool):
-        """Use :meth:`copy_of` (or :meth:`OffloadStore.adopt`). ``k_data, v_data`` are contiguous host buffers."""
-        self.pin = pin
-        self.k_data, self.v_data = k_data, v_data
-        self.base_pos, self.first_pos, self.end_pos = base_pos, first_pos, end_pos
-
-    @staticmethod
-    def _host_copy(k: torch.Tensor, v: torch.Tensor, pin: bool):
-        """Host buffers of :func:`grown_capacity` rows holding ``k, v: [H, n, d]`` in their first ``n`` rows."""
-        h, n, d = k.shape
-        k_data, v_data = (host_empty((h, grown_capacity(n), d), k.dtype, pin) for _ in range(2))
-        k_data[:, :n], v_data[:, :n] = k.detach(), v.detach()
-        return k_data, v_data
-
-    @classmethod
-    def copy_of(cls, k: torch.Tensor, v: torch.Tensor, first_pos: int = 0, pin: bool | None = None) -> "HostKV":
-        """A store holding a host copy of ``k, v: [H, n, d]`` (any device) = positions ``first_pos ..``;
-        pinned when ``pin`` (default: when ``k`` is on CUDA)."""
-        pin = k.is_cuda if pin is None else pin
-        k_data, v_data = cls._host_copy(k, v, pin)
-        return cls(k_data, v_data, first_pos, first_pos, first_pos + k.shape[1], pin)
-
-    @property
-    def n(self) -> int:
-        """Stored positions."""
-        return self.end_pos - self.first_pos
-
-    def keys(self) -> torch.Tensor:
-        """``[H, n, d]`` view of the stored keys (positions ``first_pos .. end_pos - 1``)."""
-        return self.k_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
-
-    def values(self) -> torch.Tensor:
-        """``[H, n, d]`` view of the stored values."""
-        return self.v_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores ``k, v: [H, m, d]`` (host or device) at the next ``m`` positions. A device source is copied
-        asynchronously into pinned memory (ordered on the current stream: a later blocking device-to-host
-        read, such as the selection's ``.cpu()``, completes it before the host reads these rows)."""
-        m, row = k.shape[1], self.end_pos - self.base_pos
-        if row + m > self.k_data.shape[1]:
-            h, _, d = self.k_data.shape
-            grown = [host_empty((h, grown_capacity(row + m), d), self.k_data.dtype, self.pin) for _ in range(2)]
-            grown[0][:, :row], grown[1][:, :row] = self.k_data[:, :row], self.v_data[:, :row]
-            self.k_data, self.v_data = grown
-        self.k_data[:, row: row + m].copy_(k.detach(), non_blocking=self.pin)
-        self.v_data[:, row: row + m].copy_(v.detach(), non_blocking=self.pin)
-        self.end_pos += m
-
-    def _rows(self, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Row ids into the ``[H * capacity]`` flattening of the store (empty slots, -1, read row 0); index
-        arithmetic in numpy, whose per-call cost on these few hundred ids is far below torch's."""
-        used = positions[positions >= 0]
-        if used.size and (used.min() < self.first_pos or used.max() >= self.end_pos):
-            raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "
-                             f"({self.first_pos}..{self.end_pos - 1})")
-        local = np.maximum(positions - self.base_pos, 0)
-        return torch.from_numpy((heads[:, None] * self.k_data.shape[1] + local).ravel())
-
-    def gather(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host K/V ``[H, m, d]`` of the absolute ``positions [H, m]`` (one row of positions per head)."""
-        positions = np.asarray(positions, dtype=np.int64)
-        h, d = positions.shape[0], self.k_data.shape[2]
-        rows = self._rows(np.arange(h), positions)
-        return tuple(torch.index_select(data.view(-1, d), 0, rows).view(h, -1, d)
-                     for data in (self.k_data, self.v_data))
+from icecache.kv.storage import HostKV, host_empty
 
 
 class OffloadStore(HostKV):

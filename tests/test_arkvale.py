@@ -8,7 +8,7 @@ import torch
 
 from baselines.arkvale import ArkVale, page_digests, page_scores
 from icecache.kv import BudgetError, LayerState
-from icecache.kv.method import ModelSpec
+from icecache.kv.base import ModelSpec
 
 
 def spec(h_kv=2, h_q=4, d=8):

@@ -67,7 +67,7 @@ def test_invalid_budgets_are_clear_errors():
         H2O(budget=None)
     with pytest.raises(BudgetError, match="positive"):
         H2O(budget=-4)
-    with pytest.raises(BudgetError, match="heavy_ratio"):
+    with pytest.raises(ValueError, match="heavy_ratio"):
         H2O(budget=64, heavy_ratio=1.0)
     with pytest.raises(BudgetError, match="must exceed window_size=32"):
         SnapKV(budget=32)

@@ -395,7 +395,7 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
 
 
 def test_magicpig_store_is_the_prefill_memory_and_decoding_never_writes_into_it():
-    """On CPU the offload store is a view of the layer's prefill K/V (no copy, :func:`icecache.offload.to_store`);
+    """On CPU the offload store is a view of the layer's prefill K/V (no copy, :func:`icecache.kv.storage.to_store`);
     the resident sinks, local window and generated tokens get buffers of their own, so the store still holds
     the prompt's middle tokens after decoding."""
     method = mp.MagicPIG(budget=24, local_window=6, dense_layers=[], calibrate=False, n_bits=3, n_tables=8)

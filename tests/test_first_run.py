@@ -18,7 +18,7 @@ from helpers import build_tiny
 from evals import runner
 from evals.registry import make_method
 from icecache import models
-from icecache.kv import ModelSpec
+from icecache.kv import compat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_warm_up_leaves_the_method_the_outputs_and_the_random_state_as_they_were
     for name in ("icecache", "magicpig_calibrated"):
         method = make_method(name, budget=64)
         rng = torch.get_rng_state()
-        method.warm_up(ModelSpec.from_model(model), len(ids))
+        method.warm_up(compat.model_spec(model), len(ids))
         assert torch.equal(rng, torch.get_rng_state())
         assert method.spec is None and not method.layer_states and method._executor is None
         warm = runner.generate(model, None, method, ids, 8, ignore_eos=True)

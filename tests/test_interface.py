@@ -7,7 +7,7 @@ from helpers import assert_matches_full, build_tiny, generate_reference, generat
 
 from baselines.streaming_llm import StreamingLLM, rotate_by
 from evals.registry import make_cache, make_method
-from icecache.kv import BudgetError, LayerState, ModelSpec
+from icecache.kv import BudgetError, LayerState, ModelSpec, compat
 from icecache.kv.attention import attend
 from icecache.kv.timing import PhaseTimer
 
@@ -82,7 +82,7 @@ def test_rerotated_keys_are_the_models_keys_at_the_cache_positions(name):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = build_tiny(name, 2, 4)
-    spec = ModelSpec.from_model(model)
+    spec = compat.model_spec(model)
     rotary, d = model.model.rotary_emb, spec.head_dim
 
     def rope(raw, positions):  # raw [H, n, d] at positions [n], as the model's attention rotates its keys

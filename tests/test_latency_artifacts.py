@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import build_tiny, generate_with
 
-import icecache.offload as offload
+import icecache.kv.storage as storage
 from evals.registry import make_cache
-from icecache.kv.method import append_to_buffer, grown_capacity
-from icecache.offload import HostKV, OffloadStore
+from icecache.kv.storage import HostKV, append_to_buffer, grown_capacity
+from icecache.offload import OffloadStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,13 +45,13 @@ def test_positions_are_stored_in_a_growable_buffer_too():
 @pytest.mark.parametrize("cls", [HostKV, OffloadStore])
 def test_store_append_is_amortised_and_equals_a_concatenation(monkeypatch, cls):
     allocations = []
-    real = offload.host_empty
+    real = storage.host_empty
 
     def counting(shape, dtype, pin):
         allocations.append(shape)
         return real(shape, dtype, pin)
 
-    monkeypatch.setattr(offload, "host_empty", counting)
+    monkeypatch.setattr(storage, "host_empty", counting)
     k, v = torch.randn(3, 500, D), torch.randn(3, 500, D)
     store = HostKV.copy_of(k, v) if cls is HostKV else OffloadStore.copy_of(k, v, 0, "cpu", 4, 4)
     assert store.k_data.shape[1] < 2 * 500  # sized to the prompt (plus slack), not twice it

@@ -14,7 +14,7 @@ from evals.registry import make_cache
 from evals.runner import generate
 from evals.summary import collect
 from icecache.kv import KVCache
-from icecache.kv.method import MEMORY_KEYS
+from icecache.kv.base import MEMORY_KEYS
 
 PROMPT, NEW = 200, 8
 LAYERS, H_KV, HEAD_DIM = 4, 2, 16  # build_tiny's shape, float32

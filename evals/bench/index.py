@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from baselines.omnikv import OmniKV, select_tokens
-from baselines.common import sinks_and_recent
+from icecache.kv.storage import sinks_and_recent
 from baselines.pqcache import PQCache
 from baselines.quest import page_min_max, page_upper_bounds
 from baselines.streaming_llm import StreamingLLM

@@ -23,7 +23,8 @@ import contextvars
 import torch
 
 from . import compat
-from .method import MEMORY_KEYS, KVMethod, LayerState, ModelSpec
+from .base import MEMORY_KEYS, KVMethod, ModelSpec
+from .state import LayerState
 from .timing import PhaseTimer
 
 _ACTIVE_CACHE: contextvars.ContextVar["KVCache | None"] = contextvars.ContextVar("kvbench_cache", default=None)
@@ -85,7 +86,7 @@ class KVCache(compat.Cache):
         sequence (batch size 1): make a new one per prompt."""
         compat.enable_attention(model)
         method.attach(model)
-        return cls(method, ModelSpec.from_model(model), profile=profile, probe=probe)
+        return cls(method, compat.model_spec(model), profile=profile, probe=probe)
 
     def _bind_fresh(self) -> None:
         self.method.bind(self.spec)

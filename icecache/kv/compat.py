@@ -14,11 +14,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .base import ModelSpec
+
 ATTN_IMPLEMENTATION = "kvbench"
 CACHE_KWARG = "past_key_values"
 
 __all__ = ["ATTN_IMPLEMENTATION", "CACHE_KWARG", "Cache", "CacheLayerMixin", "register_attention",
-           "enable_attention", "cache_kwargs"]
+           "enable_attention", "cache_kwargs", "model_spec", "attention_modules", "rotary_embedding"]
 
 
 def register_attention(fn: Callable) -> None:
@@ -36,3 +38,30 @@ def enable_attention(model: torch.nn.Module) -> None:
 def cache_kwargs(cache: Cache) -> dict:
     """The keyword under which a forward/generate call takes the cache in this transformers version."""
     return {CACHE_KWARG: cache}
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``self_attn`` module of every decoder layer of ``model``, in layer order."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def rotary_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's shared rotary-embedding module, or None."""
+    return getattr(model.model, "rotary_emb", None)
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """The :class:`~icecache.kv.ModelSpec` of ``model``, read from its config, first attention layer and
+    rotary embedding."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = attention_modules(model)[0]
+    rotary = rotary_embedding(model)
+    return ModelSpec(
+        n_layers=cfg.num_hidden_layers, n_q_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+        scaling=float(getattr(attn, "scaling", head_dim ** -0.5)),
+        max_position=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        device=next(model.parameters()).device, dtype=next(model.parameters()).dtype,
+        inv_freq=None if rotary is None else rotary.inv_freq.detach().float().cpu(),
+    )

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .attention import expand_heads
-from .method import append_to_buffer
+from .storage import append_to_buffer
 
 METRICS = ("recall", "error", "needle_share", "needle_top")
 COMMON_FROM = 2  # recall_common pools layers COMMON_FROM .. L-1 for every method (module docstring)

@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import attend, causal_attention
+from .state import LayerState
+from .storage import append_to_buffer
 from .timing import PhaseTimer
 
 
@@ -55,7 +57,7 @@ class UnknownNameError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a method needs to know about the model (read once from its config)."""
+    """What a method needs to know about the model (read once from it by :func:`icecache.kv.compat.model_spec`)."""
 
     n_layers: int
     n_q_heads: int
@@ -71,20 +73,6 @@ class ModelSpec:
     def group(self) -> int:
         return self.n_q_heads // self.n_kv_heads
 
-    @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "ModelSpec":
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        attn = model.model.layers[0].self_attn
-        rotary = getattr(model.model, "rotary_emb", None)
-        return cls(
-            n_layers=cfg.num_hidden_layers, n_q_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-            scaling=float(getattr(attn, "scaling", head_dim ** -0.5)),
-            max_position=int(getattr(cfg, "max_position_embeddings", 0) or 0),
-            device=next(model.parameters()).device, dtype=next(model.parameters()).dtype,
-            inv_freq=None if rotary is None else rotary.inv_freq.detach().float().cpu(),
-        )
 
 
 @dataclass
@@ -107,55 +95,6 @@ class Fetched:
         if self.n_past is not None:
             return self.n_past
         return self.valid.sum(-1, dtype=torch.float32).mean() - 1.0
-
-
-def grown_capacity(needed: int, minimum: int = 64) -> int:
-    """Capacity for a growable buffer that must hold ``needed`` entries: ``needed`` plus 1/8 slack.
-    Prefill buffers are thus sized to the prompt (not twice it), and since every growth multiplies the
-    capacity by at least 9/8, appending ``n`` entries one at a time allocates O(log n) times (amortised
-    O(1) per entry, as transformers' and vLLM's preallocated caches)."""
-    return max(minimum, needed + needed // 8)
-
-
-def append_to_buffer(buffer: torch.Tensor | None, view: torch.Tensor | None,
-                     new: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Appends ``new`` after ``view`` along ``dim`` (1 for ``[H, n, d]`` K/V, 0 for ``[n]`` positions).
-    ``view`` is kept in place when it is the prefix of ``buffer`` with room left; otherwise (first call,
-    full buffer, or a method replaced the view by another tensor, e.g. after an eviction) a buffer of
-    :func:`grown_capacity` entries is allocated. Returns ``(buffer, view of the filled prefix)``."""
-    n, m = (0 if view is None else view.shape[dim]), new.shape[dim]
-    in_place = (buffer is not None and view is not None and view.data_ptr() == buffer.data_ptr()
-                and view.stride() == buffer.stride() and n + m <= buffer.shape[dim])
-    if not in_place:
-        shape = list(new.shape)
-        shape[dim] = grown_capacity(n + m)
-        grown = new.new_empty(shape)
-        if n:
-            grown.narrow(dim, 0, n).copy_(view)
-        buffer = grown
-    buffer.narrow(dim, n, m).copy_(new)
-    return buffer, buffer.narrow(dim, 0, n + m)
-
-
-class LayerState:
-    """Per-layer storage. The default holds the resident K/V ``[H_kv, n, d]`` and the original position
-    of each resident token (``pos``, ``[n]``). Methods attach their own fields (indexes, scores...)."""
-
-    def __init__(self, layer_idx: int):
-        self.layer_idx = layer_idx
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.buffers: dict[str, torch.Tensor] = {}  # growable storage behind k/v (see append_to_buffer)
-        self.n_seen = 0  # logical length: tokens ever appended to this layer
-        self.pending: concurrent.futures.Future | None = None
-        self.bytes_moved = 0  # bytes copied from an offload store into fast memory (methods count them)
-        self.attended_sum: float | torch.Tensor = 0.0  # sum over decode steps of past tokens attended per
-        # head; a device tensor when a step only knew it there (read once, by KVCache.effective_tokens)
-        self.attended_steps = 0
-
-    def resident_tokens(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[1])
 
 
 @dataclass
