@@ -451,9 +451,9 @@ def test_simhash_in_the_inputs_dtype_is_the_sign_of_its_product(dtype, monkeypat
     """Hashing in the model's dtype (the official bf16 ``hash_func``): small integers make every product and
     sum exact in each dtype, so the codes must equal the sign bits of the exact product, zeros included; the
     products are chunked (3 rows at a time here) and packed into a table-major buffer."""
-    from baselines import simhash_tables
+    from baselines.magicpig import lsh
 
-    monkeypatch.setattr(simhash_tables, "ROWS_PER_PRODUCT", 3)
+    monkeypatch.setattr(lsh, "ROWS_PER_PRODUCT", 3)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-2, 3, (3, 11, 16), generator=g).to(dtype)
     proj = torch.randint(-2, 3, (16, 7, 5), generator=g).float()
@@ -484,7 +484,7 @@ def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
     """The CPU counting sort (bucket offsets, ``2^K <= n``) and the sorted codes beyond both group each table's
     keys as a stable ``torch.sort``; an explicit ``K`` gives the same grouping as the inferred one; key ids are
     int16 up to 2^15 keys, int32 beyond."""
-    from baselines import simhash_tables
+    from baselines.magicpig import lsh
 
     g = torch.Generator().manual_seed(1)
     for n_bits in (1, 4, 8, 11):  # 2^8 <= 333 < 2^11: both layouts
@@ -496,7 +496,7 @@ def test_bucket_tables_are_a_stable_sort_of_each_tables_codes():
     tables = mp.build_tables(many, 11)
     assert tables.order.dtype == tables.offsets.dtype == torch.int32
     _check_tables(tables, many, 11)
-    assert simhash_tables.id_dtype(2 ** 15) == torch.int16 and simhash_tables.id_dtype(2 ** 15 + 1) == torch.int32
+    assert lsh.id_dtype(2 ** 15) == torch.int16 and lsh.id_dtype(2 ** 15 + 1) == torch.int32
 
 
 @pytest.mark.parametrize("n_bits", [4, 9])  # 2^4 <= 300 keys: bucket offsets; 2^9 > 300: sorted codes

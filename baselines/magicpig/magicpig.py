@@ -10,7 +10,7 @@ Budget mapping: docs/architecture.md.
   middle tokens go to the offload store. Keys are centred per KV head (``mu`` = mean offloaded key),
   hashed by SimHash (``K`` sign bits per table, ``L`` tables, seeded Gaussian projections shared by
   all layers and heads as the official ``hash_func``, in the model's dtype as there), and each table is
-  sorted into buckets (:mod:`baselines.simhash_tables`). The official code overlaps this build with the
+  sorted into buckets (:mod:`baselines.magicpig.lsh`). The official code overlaps this build with the
   GPU's prefill of the next layers; here it runs on the background worker (awaited at the layer's first
   decode) when the prefill leaves cores idle (a GPU model, or more cores than torch's threads), else inline
   at the end of the layer's prefill (``background_build``): on a CPU whose cores all run the prefill a
@@ -53,9 +53,9 @@ from icecache.kv.attention import attention_logits, expand_heads
 from icecache.kv.base import tensor_bytes
 from icecache.kv.storage import keep_sinks_and_recent, to_store
 
-from . import simhash_tables
-from .common import scaled_layers, spare_cpu_share
-from .simhash_tables import BucketTables, bit_major, build_tables, lookup, simhash
+from ..common import scaled_layers, spare_cpu_share
+from . import lsh
+from .lsh import BucketTables, bit_major, build_tables, lookup, simhash
 
 OFFICIAL_DENSE_LAYERS = (0, 16)  # for 32-layer Llama
 OFFICIAL_BITS, OFFICIAL_TABLES = 10, 150  # models/attnserver.py LSHSparseAttnServer(K=10, L=150)
@@ -358,11 +358,11 @@ class MagicPIG(KVMethod):
     # ------------------------------------------------------------------ accounting
     def warm_up(self, spec: ModelSpec, n_prompt: int) -> None:
         """The SimHash and bucket-sort kernels for this model's dtype, the ``K`` this configuration may use and the
-        key ids of a prompt of ``n_prompt`` tokens (:func:`~baselines.simhash_tables.warm_up`)."""
+        key ids of a prompt of ``n_prompt`` tokens (:func:`~baselines.magicpig.lsh.warm_up`)."""
         n_mid = n_prompt - self.n_sink - self.local
         if n_mid > 0:
             bits = range(self.max_bits + 1) if self.calibrate else (self.n_bits,)
-            simhash_tables.warm_up(spec.dtype, n_mid, bits)
+            lsh.warm_up(spec.dtype, n_mid, bits)
 
     def layer_memory(self, st: PigState) -> dict[str, int]:
         """Sparse layers: sinks, local window and generated tokens on the device, the offloaded prompt tokens on the
