@@ -358,7 +358,7 @@ class IceCache(KVMethod):
         heads, pages, slots = buf.assign_slots(selection.numpy())
         st.step_bytes = 0
         if heads.size:
-            st.step_bytes = buf.load_pages(self.page_source(st).index.page_abs, heads, pages, slots, st.store)
+            st.step_bytes = buf.load_pages(self.page_source(st).index.page_positions(), heads, pages, slots, st.store)
         st.bytes_moved += st.step_bytes
         buf.refresh_mask()
         return self.resident_kv(st)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from icecache.dci._kernels import prefetch_row
 from icecache.dci.gqa import find
+from icecache.dci.intrinsics import prefetch_row
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -81,11 +81,9 @@ def _positions(page_abs, heads, pages, slots, n, slot_tokens, out):
 def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slots, n, offset, k_dst, v_dst):
     """Copies the store rows of ``positions [n, s]`` (absolute, -1 = empty slot: reads the head's first row,
     masked later) of KV heads ``heads`` into slots ``slots`` of the buffer (region starting at ``offset``).
-    Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``.
-    Serial on purpose: a parallel copy halved it without the model (32k, 28 layers: 3.7-3.9 -> 1.6-1.7 ms per
-    token), but in the decode benchmark IceCache's 32k TPOT was 101.0 / 103.8 ms with it and 81.4 without (numba's
-    spinning pool worker competes with torch's ops after a second parallel region per layer; docs/benchmarks.md,
-    "Threads and OpenMP waiting")."""
+    Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``."""
+    # serial: a parallel copy is faster alone but slows the decode step, its spinning numba workers competing
+    # with torch's ops (docs/benchmarks.md, "Threads and OpenMP waiting")
     s = positions.shape[1]
     for i in range(n):
         for j in range(s):

@@ -174,8 +174,8 @@ class IceCacheReuse(IceCache):
         index = anchor.index
         if st.bounds is None:
             st.bounds = PageBounds(index.heads, index.dim)
-        st.bounds.refresh(index.page_abs, index.n_pages, st.store.keys(), st.store.first_pos)
-        bound = st.bounds.upper_bounds(queries, index.page_valid_np[:, : index.n_pages]).amax(1)  # [H_kv, P]
+        st.bounds.refresh(index.page_positions(), index.n_pages, st.store.keys(), st.store.first_pos)
+        bound = st.bounds.upper_bounds(queries, index.page_fill()).amax(1)  # [H_kv, P]
         top = bound.topk(min(self.own_candidates * self.layout()[2], bound.shape[1]), dim=-1)
         return torch.where(torch.isfinite(top.values), top.indices, -1).numpy()
 
@@ -184,7 +184,7 @@ class IceCacheReuse(IceCache):
         layer's query group: per query head the exact softmax over every token of the candidates (this layer's
         own keys), summed per page and over the group; -1 candidates are never chosen. ``queries [H_kv, G, d]``."""
         h = cand.shape[0]
-        positions = anchor.index.page_abs[np.arange(h)[:, None], cand.clip(0)]  # [H_kv, C, s]
+        positions = anchor.index.page_positions()[np.arange(h)[:, None], cand.clip(0)]  # [H_kv, C, s]
         valid = torch.from_numpy((positions >= 0) & (cand >= 0)[..., None])
         rows = torch.from_numpy(np.where(valid.numpy(), positions - st.store.first_pos, 0))
         keys = st.store.keys()[torch.arange(h)[:, None, None], rows].float()  # [H_kv, C, s, d]

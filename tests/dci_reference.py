@@ -1,5 +1,5 @@
 """Plain torch reference of M-DCI's inner product -> Euclidean transform (official ``src/dci.c``, transform and
-projection), which the index's numba kernels (``icecache/dci/_kernels.py``) compute inline; the tests check
+projection), which the index's numba kernels (``icecache/dci/_search.py``) compute inline; the tests check
 the kernels against it.
 
 Keys are lifted to ``T_K(k) = [k ; sqrt(M^2 - ||k||^2)]`` (norm ``M``) and queries to

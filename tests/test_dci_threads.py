@@ -20,7 +20,7 @@ import sys, threading, torch, numba
 import icecache.dci as dci
 from icecache.dci import threads
 if sys.argv[1] == "no-threadsafe":
-    assert threads.install(dci._kernels, available=[]) == "workqueue"
+    assert threads.install((dci._build, dci._search), available=[]) == "workqueue"
 numba.set_num_threads(2)
 keys = torch.randn(2, 3000, 32)
 index = dci.MDCIIndex.build(keys, torch.arange(3000), dci.DCIConfig())

@@ -10,8 +10,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("icecache", "baselines", "evals")
-KERNELS = {"icecache/dci/_kernels.py"}  # numba kernels: exempt from the size rule
-# modules the IceCache page-table refactor rewrites; drop each entry once it lands
 MAX_LINES = 450
 OUTSIDE = re.compile(r"reference/\w+\.md|DESIGN\.md|(?:evals|baselines|icecache)\.md\b|\.\./shared/(?!data\b)")
 
@@ -38,8 +36,7 @@ def test_imports_run_one_way(package, forbidden):
 
 def test_no_source_module_exceeds_the_size_limit():
     too_long = {str(p.relative_to(REPO)): n for p in [*sources(*PACKAGES, "scripts"), REPO / "run.py"]
-                if (n := len(p.read_text().splitlines())) > MAX_LINES
-                and str(p.relative_to(REPO)) not in KERNELS}
+                if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not too_long
 
 

@@ -1,4 +1,4 @@
-"""How much of the M-DCI index a search scores: the per-query-head counts of ``_kernels.search`` (keys whose ``q.k``
+"""How much of the M-DCI index a search scores: the per-query-head counts of ``_search.search`` (keys whose ``q.k``
 it computed, nodes it expanded), their running summary ``MDCIIndex.search_stats`` and IceCache's ``layer_stats``
 (``timing.json`` ``method_stats``)."""
 

@@ -3,8 +3,8 @@
 
 See the package docstring (``icecache/dci/__init__.py``) for the API and for what differs from the
 official C code. Internal storage is numpy (shared zero-copy with the torch views this class
-returns); the irregular work runs in the numba kernels of ``_kernels.py`` (the search in parallel
-over query heads), the dense work in BLAS matmuls: parent search at construction in torch (batched
+returns); the irregular work runs in the numba kernels of ``_build.py``, ``_search.py`` and ``_insert.py``
+(the search in parallel over query heads), the dense work in BLAS matmuls: parent search at construction in torch (batched
 over heads), parent search at insert in numpy (one small matmul per head, no torch call overhead).
 """
 
@@ -14,8 +14,9 @@ import numba
 import numpy as np
 import torch
 
-from . import _kernels
+from . import _build, _insert, _search
 from .config import DCIConfig
+from .intrinsics import Nodes, Pages, Tokens
 from .levels import assign_levels, level_sizes
 from .threads import one_blas_thread
 from .parents import assign_parents
@@ -28,7 +29,7 @@ def _as_f32(x: torch.Tensor) -> np.ndarray:
 
 def _stored_keys(x: torch.Tensor, x_f32: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``x`` in the index's key storage ``dtype``: ``x_f32`` (``x`` in fp32, already made by the caller) for fp32,
-    or uint16 holding the bits of ``x`` in bf16 (``DCIConfig.key_storage``; ``_kernels.key_f32`` reads them back)."""
+    or uint16 holding the bits of ``x`` in bf16 (``DCIConfig.key_storage``; ``intrinsics.key_f32`` reads them back)."""
     if dtype == np.uint16:
         return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     return x_f32
@@ -90,18 +91,18 @@ class MDCIIndex:
         self._l1_keys_t = np.zeros((heads, dim, 0), dtype=np.float32)  # level-1 keys, [H, d, n1]
         self._l1_sq = np.zeros((heads, 0), dtype=np.float32)
         self.search_counts = np.zeros((0, 2), dtype=np.int64)  # the last search's, see search_scored
-        self._tally = _kernels.new_tally()  # running totals of every search, see search_stats
+        self._tally = _search.new_tally()  # running totals of every search, see search_stats
         self._pack()
 
     def _pack(self) -> None:
-        """The kernels' named tuples of the storage arrays (``_kernels.Pages``, ``Nodes``, ``Tokens``):
+        """The kernels' named tuples of the storage arrays (``intrinsics.Pages``, ``Nodes``, ``Tokens``):
         references, no copies; rebuilt whenever :meth:`_ensure_tokens` / :meth:`_ensure_pages`
         reallocate an array."""
-        self._pages = _kernels.Pages(self.page_keys, self.page_uk, self.page_proj, self.page_loc,
+        self._pages = Pages(self.page_keys, self.page_uk, self.page_proj, self.page_loc,
                                      self.page_abs, self.page_valid_np, self.page_next,
                                      self.page_node, self.n_pages_h)
-        self._nodes = _kernels.Nodes(self.node_first, self.node_npages, self.node_nleaf, self.node_m2)
-        self._tokens = _kernels.Tokens(self.sq, self.parent, self.tok_page, self.tok_slot)
+        self._nodes = Nodes(self.node_first, self.node_npages, self.node_nleaf, self.node_m2)
+        self._tokens = Tokens(self.sq, self.parent, self.tok_page, self.tok_slot)
 
     # ------------------------------------------------------------------------- construction
 
@@ -123,7 +124,7 @@ class MDCIIndex:
         self = cls(cfg, heads, dim, n, token_cap=n + max(256, n // 8), page_cap=1,
                    key_dtype=np.uint16 if bf16 else np.float32)
         k_np = keys32.numpy()
-        sq, uk = _kernels.norms_and_proj(k_np, self.u)
+        sq, uk = _build.norms_and_proj(k_np, self.u)
         m2 = sq.max(1)
         height = np.sqrt(np.maximum(m2[:, None] - sq, 0.0))
         level = assign_levels(n, cfg)
@@ -149,12 +150,11 @@ class MDCIIndex:
         pages = int(((children + s - 1) // s).sum(1).max())
         self._max_children = int(children.max())
         self._ensure_pages(pages + max(64, pages // 8))
-        _kernels.bulk_load(parent, proj, uk, k_stored, self.tok_abs, s, self._pages, self._nodes,
-                           self._tokens)
+        _build.bulk_load(parent, proj, uk, k_stored, self.tok_abs, s, self._pages, self._nodes, self._tokens)
         upper = np.flatnonzero(level > 0)
         by_level = upper[np.argsort(level[upper], kind="stable")].astype(np.int64)
         self.n_upper = int(upper.size)
-        _kernels.leaf_page_counts(parent, level, by_level, self._nodes)
+        _build.leaf_page_counts(parent, level, by_level, self._nodes)
         self._l1_loc = np.flatnonzero(level == 1).astype(np.int64)
         self._l1_keys_t = np.ascontiguousarray(k_np[:, self._l1_loc].transpose(0, 2, 1))
         self._l1_sq = np.ascontiguousarray(self.sq[:, self._l1_loc])
@@ -201,7 +201,7 @@ class MDCIIndex:
 
         Sets :attr:`search_counts`, ``[H_q, 2]`` int64: per query head, column 0 the keys whose ``q.k`` the
         search computed (at most :attr:`n`, the keys in the index; upper levels included) and column 1 the
-        nodes it expanded, the virtual root included (``_kernels.search``); and adds them to the totals
+        nodes it expanded, the virtual root included (``_search.search``); and adds them to the totals
         :meth:`search_stats` reports."""
         n_q = queries.shape[0]
         if n_q % self.heads:
@@ -213,11 +213,12 @@ class MDCIIndex:
         scores = np.empty((n_q, n_candidates), dtype=np.float32)
         counts = np.empty((n_q, 2), dtype=np.int64)
         fov = self.cfg.fov(self.n if n_seq is None else n_seq)
-        _kernels.search(q, self.u, n_q // self.heads, k_pages, fov, self.cfg.prop_to_retrieve,
-                        self.cfg.visit_chunk, self.top_level, self.n_upper, self._max_children,
-                        self.cfg.candidate_rule == "official", self._pages, self._nodes, out, scores, counts,
-                        numba.get_num_threads())
-        _kernels.tally(counts, self.n, self._tally)
+        params = _search.SearchParams(int(k_pages), int(fov), float(self.cfg.prop_to_retrieve),
+                                      int(self.cfg.visit_chunk), int(self.top_level), int(self.n_upper),
+                                      int(self._max_children), self.cfg.candidate_rule == "official")
+        _search.search(q, self.u, n_q // self.heads, params, self._pages, self._nodes, out, scores, counts,
+                       numba.get_num_threads())
+        _search.tally(counts, self.n, self._tally)
         self.search_counts = counts
         return torch.from_numpy(out), torch.from_numpy(scores)
 
@@ -234,7 +235,7 @@ class MDCIIndex:
         - ``search_scored_fraction_min`` / ``_max``: least / largest ``scored_h / n`` over searches and heads;
         - ``search_nodes_expanded``: mean over searches of ``mean_h nodes_h``.
         """
-        totals = dict(zip(_kernels.TALLY, self._tally.tolist()))
+        totals = dict(zip(_search.TALLY, self._tally.tolist()))
         calls = totals["searches"]
         if not calls:
             return {}
@@ -258,16 +259,15 @@ class MDCIIndex:
         k_np = _as_f32(keys)
         with one_blas_thread():  # tiny matmul: BLAS threads only contend (threads.py)
             sim = np.matmul(k_np, self._l1_keys_t)  # [H, m, n1] inner products with level 1
-        sq, uk, parent = _kernels.insert_parents(k_np, self.u, self.m2, sim, self._l1_sq,
-                                                 self._l1_loc)
+        sq, uk, parent = _insert.insert_parents(k_np, self.u, self.m2, sim, self._l1_sq, self._l1_loc)
         self._ensure_tokens(self.n + m)
         self._ensure_pages(int(self.n_pages_h.max()) + m)
         loc = np.arange(self.n, self.n + m, dtype=np.int64)
         abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        most = _kernels.insert(_stored_keys(keys, k_np, self.page_keys.dtype), uk, sq, parent, loc, abs_ids,
-                               self.m2, np.float32(self.u[-1]), self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
+        most = _insert.insert(_stored_keys(keys, k_np, self.page_keys.dtype), uk, sq, parent, loc, abs_ids,
+                              self.m2, np.float32(self.u[-1]), self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
         self.n += m
         self._max_children = max(self._max_children, most * self.cfg.page_size)
         return torch.from_numpy(changed[:, : self.n_pages])
@@ -279,15 +279,25 @@ class MDCIIndex:
         """Page slots per head (the largest head's page count); shorter heads have empty pages."""
         return int(self.n_pages_h.max())
 
+    def page_positions(self) -> np.ndarray:
+        """int64 ``[H_kv, n_pages, page_size]`` of absolute token ids, -1 = empty slot: a numpy view of the
+        storage (re-read it after an insert), the form :attr:`page_table` wraps."""
+        return self.page_abs[:, : self.n_pages]
+
+    def page_fill(self) -> np.ndarray:
+        """int64 ``[H_kv, n_pages]``: used slots of each page, a numpy view of the storage (the form
+        :attr:`page_valid` wraps)."""
+        return self.page_valid_np[:, : self.n_pages]
+
     @property
     def page_table(self) -> torch.Tensor:
         """``LongTensor [H_kv, n_pages, page_size]`` of absolute token ids, -1 = empty slot."""
-        return torch.from_numpy(self.page_abs[:, : self.n_pages])
+        return torch.from_numpy(self.page_positions())
 
     @property
     def page_valid(self) -> torch.Tensor:
         """``LongTensor [H_kv, n_pages]``: used slots of each page (slots ``0..valid-1`` are used)."""
-        return torch.from_numpy(self.page_valid_np[:, : self.n_pages])
+        return torch.from_numpy(self.page_fill())
 
     def page_token_ids(self, head_idx: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         """Absolute token ids of pages: ``head_idx``, ``page_ids`` broadcastable LongTensors (page -1

@@ -1,7 +1,7 @@
 """Threads of the M-DCI index: the numba threading layer and numpy's BLAS threads.
 
 numba layer. IceCache runs parallel numba kernels from two threads at once: the page search
-(``_kernels.search``, decode, main thread) and the tree build (``_kernels.bulk_load``, the background
+(``_search.search``, decode, main thread) and the tree build (``_build.bulk_load``, the background
 prefill pipeline). numba's ``workqueue`` layer is not thread-safe and aborts the process on concurrent
 parallel regions ("Terminating: Nested parallel kernel launch detected"); ``omp`` and ``tbb`` are
 (numba docs, "The Threading Layers"). :func:`pin_threading_layer` therefore asks numba for its
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import numba
 
 POOLS = {"tbb": "numba.np.ufunc.tbbpool", "omp": "numba.np.ufunc.omppool"}
-PARALLEL_KERNELS = ("bulk_load", "search")  # the ``parallel=True`` kernels of ``_kernels``
+PARALLEL_KERNELS = ("bulk_load", "search")  # the ``parallel=True`` kernels (``_build``, ``_search``)
 PARALLEL_LOCK = threading.Lock()
 _controller = None
 
@@ -66,13 +66,16 @@ def serialised(kernel):
     return locked
 
 
-def install(kernels, available: list[str] | None = None) -> str:
-    """Pins the layer and, under ``workqueue``, replaces the parallel kernels of the module ``kernels`` by
-    serialised wrappers (callers reach them as ``_kernels.<name>``). Returns the layer asked for."""
+def install(modules, available: list[str] | None = None) -> str:
+    """Pins the layer and, under ``workqueue``, replaces the parallel kernels (:data:`PARALLEL_KERNELS`) of the
+    kernel ``modules`` by serialised wrappers (callers reach them as ``<module>.<name>``). Returns the layer
+    asked for."""
     layer = pin_threading_layer(available)
     if layer == "workqueue":
-        for name in PARALLEL_KERNELS:
-            setattr(kernels, name, serialised(getattr(kernels, name)))
+        for module in modules:
+            for name in PARALLEL_KERNELS:
+                if hasattr(module, name):
+                    setattr(module, name, serialised(getattr(module, name)))
     return layer
 
 

@@ -1,0 +1,95 @@
+"""Shared numba helpers of the M-DCI kernels, and the index's storage as the kernels receive it.
+
+Storage (per layer, all arrays head-major; ``S`` = page size, ``P`` = page capacity), passed to the
+kernels as three named tuples of arrays (:class:`Pages`, :class:`Nodes`, :class:`Tokens`; the
+``MDCIIndex`` attribute of each field is in brackets):
+
+- ``Pages``: ``keys [H, P, S, d]`` keys in page layout (a node's children are scored page by
+  page, contiguous in memory) (``page_keys``): fp32, or the raw bits of bf16 keys as uint16 (read
+  through :func:`key_f32`: exactly the fp32 value of the bf16 key, half the bytes),
+  ``uk [H, P, S]`` = ``u_{1:d}.k`` (``page_uk``),
+  ``proj [H, P, S]`` = ``p(k)`` (``page_proj``), ``loc [H, P, S]`` local token index (``page_loc``),
+  ``abs [H, P, S]`` absolute token id, -1 = empty (``page_abs``); ``valid [H, P]`` used slots
+  (``page_valid_np``), ``next [H, P]`` next page of the same parent, -1 = last (``page_next``),
+  ``node [H, P]`` the parent node owning the page (``page_node``); ``used [H]`` pages in use
+  per head (``n_pages_h``).
+- ``Nodes``: ``first [H, N]``, ``npages [H, N]`` (``node_first``, ``node_npages``), ``nleaf [H, N]``
+  level-0 pages below the node (``node_nleaf``), ``m2 [H, N]`` the ``M^2`` its children's projections
+  use, ``src/dci.c`` (``node_m2``); node 0 = virtual root, node ``i + 1`` = token ``i``.
+- ``Tokens``: ``sq [H, n]`` squared key norms (``sq``), ``parent [H, n]`` parent node (``parent``),
+  ``page [H, n]``, ``slot [H, n]`` where each token sits (``tok_page``, ``tok_slot``).
+
+Invariant: a node's pages, followed through ``Pages.next``, hold its children sorted by projection
+(slots sorted inside a page, pages in increasing order), so "the children closest in projection to
+``p(q)``" are one contiguous run.
+
+The kernels live by job: construction in ``_build.py``, the query in ``_search.py`` (upper levels),
+``_level0.py`` (level 0 and page ranking) and ``_walk.py`` (one node's visiting order), insertion in
+``_insert.py``. numba's on-disk cache (``cache=True``) checks only the source file of the cached function,
+so a kernel compiled from another module's helpers is recompiled when its own file changes, not when the
+helper's does: after editing this module, delete the package's ``__pycache__``.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+from llvmlite import binding, ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
+FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+# the index's arrays (module docstring); the tuples hold references, so kernels write in place
+Pages = namedtuple("Pages", "keys uk proj loc abs valid next node used")
+Nodes = namedtuple("Nodes", "first npages nleaf m2")
+Tokens = namedtuple("Tokens", "sq parent page slot")
+
+
+@intrinsic
+def key_f32(typingctx, x):
+    """A stored key element as fp32: a float32 as it is, a uint16 as the bf16 number whose bits it holds
+    (``bits << 16`` reinterpreted as fp32: exact, and it vectorises). Every kernel reads ``Pages.keys``
+    through this, so one kernel body serves fp32 and bf16 key storage (``DCIConfig.key_storage``)."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        return types.float32(x), lambda context, builder, sig, args: args[0]
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and not x.signed:
+        def codegen(context, builder, sig, args):
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+# LLVM >= 16 (llvmlite >= 0.45) names the intrinsic after an opaque pointer, older ones after i8*
+_PREFETCH = "llvm.prefetch.p0" if binding.llvm_version_info >= (16,) else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Hint that ``arr[idx]`` (``idx`` a tuple of indices) will be read soon: its cache line is requested
+    now (``llvm.prefetch``, read, high locality), so that reads known in advance overlap instead of each
+    waiting for memory in turn."""
+    # the search is bound by such waits: at 32k tokens a query chases ~65 nodes and ~70 pages through
+    # ~3 MB of index per layer, cold at every decode step
+    def codegen(context, builder, sig, args):
+        aryty, idxty = sig.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = cgutils.unpack_tuple(builder, args[1], len(idxty))
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_row(mat, r):
+    """:func:`prefetch` of every 64-byte cache line of row ``r`` of the 2-D array ``mat``."""
+    step = max(64 // mat.itemsize, 1)  # elements per cache line
+    for line in range((mat.shape[1] + step - 1) // step):
+        prefetch(mat, (r, line * step))
