@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from icecache.kv import KVMethod, compat
+from icecache.kv import KVMethod, SequenceState, compat
 from icecache.kv.storage import PerHeadState, keep_per_head, store_per_head
 
 # ScorerPress subclasses whose score() reads only (module, hidden_states, keys, values, kwargs[position_embeddings])
@@ -64,12 +64,23 @@ def make_press(name: str, kwargs: dict):
     return getattr(import_kvpress(), name)(**kwargs)
 
 
-def _capture(method_ref: weakref.ref, layer_idx: int, module, args, kwargs) -> None:
-    """Forward pre-hook of a ``self_attn``: hands the layer's inputs to the KVPress method awaiting a prefill."""
-    method = method_ref()
-    if method is not None and method.capturing:
+class PressSequence(SequenceState):
+    """A prompt's captured layer inputs, ``inputs[layer] = (module, hidden_states, position_embeddings)``, kept
+    from each layer's forward pre-hook to its ``finish_prefill``; ``capturing`` until the last layer's prefill."""
+
+    def __init__(self, worker_name: str):
+        super().__init__(worker_name)
+        self.capturing = True  # a fresh sequence: the next forward is its prefill
+        self.inputs: dict = {}
+
+
+def _capture(cache_ref: weakref.ref, layer_idx: int, module, args, kwargs) -> None:
+    """Forward pre-hook of a ``self_attn``: hands the layer's inputs to the cache's sequence awaiting a prefill."""
+    cache = cache_ref()
+    seq = None if cache is None else cache.sequence
+    if isinstance(seq, PressSequence) and seq.capturing:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        method.inputs[layer_idx] = (module, hidden, kwargs["position_embeddings"])
+        seq.inputs[layer_idx] = (module, hidden, kwargs["position_embeddings"])
 
 
 @dataclass
@@ -88,18 +99,16 @@ class KVPress(KVMethod):
     press: str = "SnapKVPress"
     press_kwargs: dict = field(default_factory=dict)
     name: ClassVar[str] = "kvpress"
-    capturing: bool = field(default=False, init=False, repr=False)
-    inputs: dict = field(default_factory=dict, init=False, repr=False)
-    _press: Any = field(default=None, init=False, repr=False)
+    _press: Any = field(default=None, init=False, repr=False, compare=False)  # built from press, press_kwargs
 
     def validate(self) -> None:
         if not isinstance(self.press_kwargs, dict):
             raise ValueError(f"kvpress: press_kwargs must be a mapping, got {self.press_kwargs!r}")
         self._press = make_press(self.press, dict(self.press_kwargs))
 
-    def attach(self, model: torch.nn.Module) -> None:
-        """Registers the capture pre-hook on every ``self_attn`` of ``model`` (replacing an earlier KVPress
-        method's hook there, so a layer has one), and the rotary module and model statistics presses read."""
+    def attach(self, model: torch.nn.Module, cache) -> None:
+        """Registers the capture pre-hook of ``cache`` on every ``self_attn`` of ``model`` (replacing an earlier
+        cache's hook there, so a layer has one), and the rotary module and model statistics presses read."""
         self._press.post_init_from_model(model)
         for layer_idx, attn in enumerate(compat.attention_modules(model)):
             attn.rotary_emb = compat.rotary_embedding(model)  # as BasePress.__call__ (kvpress/presses/base_press.py)
@@ -107,12 +116,10 @@ class KVPress(KVMethod):
             if previous is not None:
                 previous.remove()
             attn._kvpress_capture = attn.register_forward_pre_hook(
-                partial(_capture, weakref.ref(self), layer_idx), with_kwargs=True)
+                partial(_capture, weakref.ref(cache), layer_idx), with_kwargs=True)
 
-    def bind(self, spec) -> None:
-        super().bind(spec)
-        self.inputs.clear()
-        self.capturing = True  # a fresh cache: the next forward is its prefill
+    def make_sequence(self) -> PressSequence:
+        return PressSequence(self.name)
 
     def make_state(self, layer_idx: int) -> PerHeadState:
         return PerHeadState(layer_idx)
@@ -122,12 +129,12 @@ class KVPress(KVMethod):
 
     def finish_prefill(self, st: PerHeadState) -> None:
         """Keeps the ``budget`` top-scored prompt tokens of every KV head (slots in position order)."""
-        if st.layer_idx not in self.inputs:
+        if st.layer_idx not in st.seq.inputs:
             raise RuntimeError("kvpress: no captured layer inputs; build the cache with KVCache.for_model(method, "
                                "model) (or make_cache), which registers the capture hooks")
-        module, hidden, position_embeddings = self.inputs.pop(st.layer_idx)
+        module, hidden, position_embeddings = st.seq.inputs.pop(st.layer_idx)
         if st.layer_idx == self.spec.n_layers - 1:
-            self.capturing = False
+            st.seq.capturing = False
         st.n_prompt = n = st.k.shape[1]
         if n > self.budget:
             keep_per_head(st, self.kept_indices(module, hidden, position_embeddings, st.k, st.v))

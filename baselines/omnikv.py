@@ -100,7 +100,7 @@ class OmniKV(KVMethod):
     wait_layers: int = 1
     selector: str = "last"
     name: ClassVar[str] = "omnikv"
-    roles: dict = field(default_factory=dict, init=False, repr=False)  # layer -> (role, its filter layer)
+    roles: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (role, its filter layer)
 
     def validate(self) -> None:
         if self.selector not in SELECTORS:
@@ -147,7 +147,7 @@ class OmniKV(KVMethod):
             st.selected_at = st.n_seen
         if role != "sparse":
             return None
-        source = self.layer_states[group]
+        source = st.seq.layers[group]
         if source.selected_at != st.n_seen:
             raise RuntimeError(f"omnikv: layer {st.layer_idx} found no selection of filter layer {group} "
                                f"for this step")

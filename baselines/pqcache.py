@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -236,6 +236,7 @@ class PQState(LayerState):
         self.code_mask: torch.Tensor | None = None
         self.n_counted = 0
         self.kmeans_iterations = 0
+        self.prefill_done: float | None = None  # the clock at this layer's finish_prefill (adaptive k-means)
 
 
 @dataclass
@@ -266,7 +267,6 @@ class PQCache(KVMethod):
     recent_ratio: float = 0.5
     seed: int = 0
     joint_scores: bool = True
-    _last_layer_done: float | None = field(default=None, init=False, repr=False)  # finish_prefill's clock
     name: ClassVar[str] = "pqcache"
     ADAPTIVE: ClassVar[int] = 0  # kmeans_iters of the official time-budgeted bound (load-dependent)
     ADAPTIVE_ITERS: ClassVar[tuple[int, int]] = (3, 300)  # the official clamp of the adaptive max_iter
@@ -316,14 +316,14 @@ class PQCache(KVMethod):
                                self.kmeans_time_budget(st))
 
     def kmeans_time_budget(self, st: PQState) -> float | None:
-        """Adaptive bound (``kmeans_iters=0``): the previous layer's prefill time, from one ``finish_prefill`` to
-        the next, times :func:`spare_cpu_share`; 0 for layer 0 (no layer timed yet: the minimum iterations).
+        """Adaptive bound (``kmeans_iters=0``): the previous layer's prefill time, from its ``finish_prefill`` to
+        this one's, times :func:`spare_cpu_share`; 0 for layer 0 (no layer timed yet: the minimum iterations).
         ``None`` (no clock read) for a fixed bound, the default."""
         if self.kmeans_iters != self.ADAPTIVE:
             return None
-        now, last = time.perf_counter(), self._last_layer_done
-        self._last_layer_done = now
-        layer_s = 0.0 if st.layer_idx == 0 or last is None else now - last
+        st.prefill_done = now = time.perf_counter()
+        last = st.seq.layers[st.layer_idx - 1].prefill_done if st.layer_idx else None
+        layer_s = 0.0 if last is None else now - last
         return layer_s * spare_cpu_share(self.spec.device)
 
     def build_codebook(self, st: PQState, keys: torch.Tensor, generator: torch.Generator,

@@ -1,6 +1,8 @@
-"""IceCache benchmark harness, the library: the KV-cache interface every method implements
-(:mod:`icecache.kv`), IceCache itself (:mod:`icecache.method`, its M-DCI index :mod:`icecache.dci`, its offload
-store :mod:`icecache.offload`) and the models. It imports nothing from ``baselines`` or ``evals``.
+"""IceCache benchmark harness, the library: the KV-cache interface every method implements (:mod:`icecache.kv`:
+the method base class, the cache and its per-sequence state, the shared storage mechanics, the transformers
+adapters) and IceCache itself (:mod:`icecache.method`, its variants :mod:`icecache.reuse` and
+:mod:`icecache.tuned`, its M-DCI index :mod:`icecache.dci`, its resident buffer :mod:`icecache.resident` and
+offload store :mod:`icecache.offload`). It imports nothing from ``baselines`` or ``evals``.
 
 Quick use::
 

@@ -70,6 +70,7 @@ import torch
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv.state import SequenceState
 from icecache.kv.base import tensor_bytes
 from icecache.offload import OffloadStore
 from icecache.resident import ResidentBuffer
@@ -103,6 +104,16 @@ class IceState(LayerState):
     slot_v = property(lambda self: self.buffer.slot_v)
     slot_page = property(lambda self: torch.from_numpy(self.buffer.slot_page))
     slot_tokens = property(lambda self: torch.from_numpy(self.buffer.slot_tokens))
+
+
+class IceSequence(SequenceState):
+    """A prompt's state across layers: the projection seed of its indexes (``projection="per_prompt"``: drawn at
+    the first layer's prefill) and the offload job queued last (``prefill_pipeline="official"``)."""
+
+    def __init__(self, worker_name: str, seed: int):
+        super().__init__(worker_name)
+        self.projection_seed = seed
+        self.prefill_job = None
 
 
 def prompt_seed(seed: int, keys: torch.Tensor) -> int:
@@ -190,10 +201,6 @@ class IceCache(KVMethod):
         prop_to_retrieve=0.8, candidate_rule="official", prefill_pipeline="official", projection="per_prompt")
 
     # ------------------------------------------------------------------ configuration
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._projection_seed, self._prefill_job = self.seed, None  # redrawn / reset per prompt
-
     def layout(self) -> tuple[int, int, int]:
         """``(sink, window, retrieved)`` pages of the budget."""
         pages, sink = self.budget // self.page_size, self.n_sink_pages
@@ -229,19 +236,21 @@ class IceCache(KVMethod):
                               f"({self.n_window_pages} pages) + at least one retrieved page; nearest valid "
                               f"budgets: {' or '.join(map(str, near))}")
 
-    def bind(self, spec: ModelSpec) -> None:
-        """Per cache, i.e. per prompt: the resident layout and the projection seed of this prompt's indexes."""
-        super().bind(spec)
-        self.n_slots = self.layout()[2] * (spec.group if self.gqa_merge == "union" else 1)
-        self._prefill_job = None
-        self._projection_seed = self.seed  # ``per_prompt``: redrawn from the prompt at the first layer's prefill
+    @property
+    def n_slots(self) -> int:
+        """Page slots per KV head of the resident buffer (``K``; ``group * K`` for the union merge)."""
+        return self.layout()[2] * (self.spec.group if self.gqa_merge == "union" else 1)
 
-    def dci_config(self) -> DCIConfig:
-        """The index configuration of this prefill's layers (their projection seed: see ``projection``)."""
+    def dci_config(self, seed: int | None = None) -> DCIConfig:
+        """The index configuration of a prefill's layers; ``seed``: their projection seed (the prompt's
+        :attr:`IceSequence.projection_seed`; default ``seed``)."""
         return DCIConfig(page_size=self.page_size, ratio_1=self.ratio_1, ratio_2=self.ratio_2,
                          search_ratio=self.search_ratio, min_fov=self.min_fov,
                          prop_to_retrieve=self.prop_to_retrieve, candidate_rule=self.candidate_rule,
-                         key_storage=self.key_storage, seed=self._projection_seed)
+                         key_storage=self.key_storage, seed=self.seed if seed is None else seed)
+
+    def make_sequence(self) -> IceSequence:
+        return IceSequence(self.name, self.seed)
 
     def make_state(self, layer_idx: int) -> IceState:
         return IceState(layer_idx)
@@ -269,21 +278,22 @@ class IceCache(KVMethod):
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: IceState) -> None:
         if st.layer_idx == 0 and self.projection == "per_prompt":
-            self._projection_seed = prompt_seed(self.seed, st.k)
+            st.seq.projection_seed = prompt_seed(self.seed, st.k)
         if self.is_budgeted(st.layer_idx):
             if st.n_seen > self.index_threshold():
                 if self.prefill_pipeline == "official":
-                    self.join_prefill_job()  # backpressure: one layer's job in flight at a time
+                    self.join_prefill_job(st.seq)  # backpressure: one layer's job in flight at a time
                 self.offload(st, background=True)
-                self._prefill_job = st.pending
+                st.seq.prefill_job = st.pending
             elif self.short_prompt == "dense":
                 st.dense = True  # official: a prompt within the budget is never indexed
         if self.prefill_pipeline == "official" and st.layer_idx == self.spec.n_layers - 1:
-            self.join_prefill_job()  # the official prefill returns with every index built
+            self.join_prefill_job(st.seq)  # the official prefill returns with every index built
 
-    def join_prefill_job(self) -> None:
-        """Waits for the offload job queued last during prefill (``prefill_pipeline="official"``)."""
-        job, self._prefill_job = self._prefill_job, None
+    @staticmethod
+    def join_prefill_job(seq: IceSequence) -> None:
+        """Waits for the offload job queued last during ``seq``'s prefill (``prefill_pipeline="official"``)."""
+        job, seq.prefill_job = seq.prefill_job, None
         if job is not None:
             job.result()
 
@@ -308,7 +318,8 @@ class IceCache(KVMethod):
         st.store = OffloadStore.adopt(k_buf, v_buf, first, end, k_buf.device, k_buf.shape[0] * self.n_slots,
                                       self.page_size)
         if self.builds_index(st.layer_idx):
-            st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), self.dci_config())
+            config = self.dci_config(st.seq.projection_seed)
+            st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), config)
 
     # ------------------------------------------------------------------ decode
     def append(self, st: IceState, k: torch.Tensor, v: torch.Tensor) -> None:

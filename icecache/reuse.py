@@ -139,7 +139,7 @@ class IceCacheReuse(IceCache):
         return self.anchor_of(layer_idx) == layer_idx
 
     def page_source(self, st: IceState) -> IceState:
-        return self.layer_states[self.anchor_of(st.layer_idx)]
+        return st.seq.layers[self.anchor_of(st.layer_idx)]
 
     def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         anchor = self.page_source(st)

@@ -70,7 +70,7 @@ def build(budget=32, page_size=4, prompt=48, seed=0, **hp):
     """An ArkVale layer after a prefill of ``prompt`` random keys; returns (method, state, k, v)."""
     method = ArkVale(budget=budget, page_size=page_size, **hp)
     method.bind(spec())
-    st = method.new_state(0)
+    st = method.new_sequence().layers[0]
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, prompt, 8, generator=g), torch.randn(2, prompt, 8, generator=g)
     st.n_seen = prompt
@@ -174,4 +174,4 @@ def test_a_fractional_budget_it_cannot_take_is_a_config_error_that_says_so(tmp_p
 def test_dense_layers_keep_everything():
     method = ArkVale(budget=32, page_size=4, n_dense_layers=1)
     method.bind(spec())
-    assert type(method.new_state(0)) is LayerState and not method.is_budgeted(0) and method.is_budgeted(1)
+    assert type(method.new_sequence().layers[0]) is LayerState and not method.is_budgeted(0) and method.is_budgeted(1)

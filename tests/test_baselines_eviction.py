@@ -20,7 +20,7 @@ def prefill(method, q, k, v):
     """Binds ``method`` to a one-layer model shaped like the inputs (scaling 1) and prefills it."""
     method.bind(ModelSpec(n_layers=1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0], head_dim=q.shape[-1],
                           scaling=1.0, max_position=4096))
-    st = method.new_state(0)
+    st = method.new_sequence().layers[0]
     st.n_seen = k.shape[1]
     out = method.prefill(st, q, k, v)
     method.finish_prefill(st)

@@ -366,7 +366,7 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
 
     method = okv.OmniKV(budget=8, filter_layers=[0], wait_layers=0, debug=True)
     method.bind(ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
-    states = [method.new_state(i) for i in range(2)]
+    states = method.new_sequence().layers
     g = torch.Generator().manual_seed(0)
     n = 500
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
@@ -400,7 +400,7 @@ def test_magicpig_store_is_the_prefill_memory_and_decoding_never_writes_into_it(
     the prompt's middle tokens after decoding."""
     method = mp.MagicPIG(budget=24, local_window=6, dense_layers=[], calibrate=False, n_bits=3, n_tables=8)
     method.bind(ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
-    st = method.new_state(0)
+    st = method.new_sequence().layers[0]
     g = torch.Generator().manual_seed(0)
     n = 200
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))

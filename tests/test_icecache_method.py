@@ -205,7 +205,7 @@ class Driver:
         self.gen = torch.Generator().manual_seed(seed)
         self.method, self.timer = method, PhaseTimer()
         method.bind(SPEC)
-        self.states = {i: method.new_state(i) for i in range(SPEC.n_layers)}
+        self.states = dict(enumerate(method.new_sequence().layers))
         self.k = {i: torch.randn(H_KV, prompt, D, generator=self.gen) for i in (2, 3)}
         if copy is not None:
             for i in (2, 3):

@@ -118,7 +118,7 @@ def test_a_new_cache_per_prompt_captures_its_own_prefill():
         with torch.no_grad():
             model(ids, past_key_values=cache)
         sets.append([st.pos.clone() for st in cache.states])
-        assert not method.inputs and not method.capturing
+        assert not cache.sequence.inputs and not cache.sequence.capturing
     assert all(torch.equal(a, b) for a, b in zip(sets[0], sets[2]))
     assert not all(torch.equal(a, b) for a, b in zip(sets[0], sets[1]))
     assert all(len(layer.self_attn._forward_pre_hooks) == 1 for layer in model.model.layers)

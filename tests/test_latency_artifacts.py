@@ -226,7 +226,7 @@ def test_background_worker_exits_once_its_last_job_is_awaited(method):
             cache.begin_step()
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
             cache.end_step()
-            assert not workers() and cache.method._executor is None
+            assert not workers() and cache.sequence.executor is None
     cache.close()
 
 

@@ -77,7 +77,7 @@ def test_smollm2_magicpig_estimator_error_against_exact_attention(smollm2):
             q, k, v = recorder.states[layer].q, recorder.states[layer].k, recorder.states[layer].v
             method = MagicPIG(budget=budget, calibrate=True)  # the calibrated variant's K (magicpig_calibrated)
             method.bind(recorder.spec)
-            st = method.new_state(layer)
+            st = method.new_sequence().layers[layer]
             st.n_seen = n
             method.prefill(st, q[:, :n], k[:, :n], v[:, :n])
             method.finish_prefill(st)

@@ -173,10 +173,11 @@ class MagicPIG(KVMethod):
     background_build: bool | None = None
     name: ClassVar[str] = "magicpig"
     example_budget: ClassVar[int] = 128
-    dense: frozenset = field(default=frozenset(), init=False, repr=False)
-    proj: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _warned_target: bool = field(default=False, init=False, repr=False)
-    _matrices: dict = field(default_factory=dict, init=False, repr=False)  # (K, dtype) -> bit-major projections
+    # resolved from the model by bind (the same for every sequence), and a warn-once flag
+    dense: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    proj: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _warned_target: bool = field(default=False, init=False, repr=False, compare=False)
+    _matrices: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (K, dtype) -> bit-major
 
     @property
     def local(self) -> int:

@@ -312,9 +312,9 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
             continue
         method = cell.build()
         method.bind(spec)
-        states = {}
+        seq, states = method.new_sequence(), {}
         for layer, keys in zip(data["layers"], data["keys"]):
-            st = states[layer] = method.new_state(layer)
+            st = states[layer] = seq.layers[layer]
             st.n_seen = keys.shape[1]
             method.store(st, keys.float(), keys.float())
             method.finish_prefill(st)
@@ -329,7 +329,7 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
                                       keys.double())
                 probs = (logits * spec.scaling).softmax(-1).flatten(0, 1)  # [H_q, n]
                 values += (probs * mask).sum(-1).tolist()
-        method.close()
+        seq.close()
         rows.append({"config": cell.label, "budget": cell.budget, "recall_mean": float(np.mean(values)),
                      "recall_p10": float(np.percentile(values, 10)), "cases": len(values)})
     return pd.DataFrame(rows).set_index(["config", "budget"]).round(3)

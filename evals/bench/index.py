@@ -290,12 +290,13 @@ def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget:
     """
     method = PQCache(budget=budget, **options)
     method.bind(spec)
-    st = method.new_state(layer)
+    seq = method.new_sequence()
+    st = seq.layers[layer]
     st.k = st.v = keys
     st.pos, st.n_seen = torch.arange(keys.shape[1]), keys.shape[1]
     method.finish_prefill(st)  # keeps sinks + recent window in st.pos, trains the codebooks
     method.await_background(st)
-    method.close()
+    seq.close()
     resident = torch.zeros(keys.shape[:2], dtype=torch.bool)
     resident[:, st.pos] = True
     return [resident.scatter(1, method.select(st, q[:, None]), True) for q in queries]

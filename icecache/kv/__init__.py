@@ -1,8 +1,10 @@
-"""The common KV-cache interface: method base class, transformers adapters, timing."""
+"""The common KV-cache interface: the method base class (:mod:`.base`), the transformers cache (:mod:`.cache`)
+and its per-sequence state (:mod:`.state`), the storage mechanics methods share (:mod:`.storage`), the
+transformers adapters (:mod:`.compat`), attention (:mod:`.attention`), timing and the recall probe."""
 from .attention import attend, causal_attention
-from .cache import KVCache
 from .base import BudgetError, Fetched, KVMethod, ModelSpec, UnknownNameError
-from .state import LayerState
+from .cache import KVCache
+from .state import LayerState, SequenceState
 
 __all__ = ["attend", "causal_attention", "KVCache", "BudgetError", "Fetched", "KVMethod", "LayerState",
-           "ModelSpec", "UnknownNameError"]
+           "ModelSpec", "SequenceState", "UnknownNameError"]

@@ -2,7 +2,10 @@
 
 A method is a ``@dataclass`` whose fields are its hyperparameters (kvpress style). It never touches
 transformers: it receives plain post-RoPE tensors, batch squeezed — queries ``[H_q, n, d]``, keys and
-values ``[H_kv, n, d]`` — and one :class:`LayerState` per decoder layer.
+values ``[H_kv, n, d]`` — and one :class:`LayerState` per decoder layer. Everything a sequence holds (the
+layers' states, the background worker, the probe, values kept across layers) lives in the cache's
+:class:`~icecache.kv.state.SequenceState`, reached as ``st.seq``; a method object holds no per-sequence state,
+so one method serves many caches and compares equal to another of the same hyperparameters.
 
 Prefill: :meth:`KVMethod.prefill` computes exact causal attention over the prompt and stores the layer's
 K/V; :meth:`KVMethod.finish_prefill` then compresses/offloads and may start background work with
@@ -20,7 +23,6 @@ of past tokens attended per head, per layer.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -28,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import attend, causal_attention
-from .state import LayerState
+from .state import LayerState, SequenceState
 from .storage import append_to_buffer
 from .timing import PhaseTimer
 
@@ -106,11 +108,7 @@ class KVMethod:
     name: ClassVar[str] = ""
     needs_budget: ClassVar[bool] = True  # False for methods without one (full)
     example_budget: ClassVar[int] = 64  # suggested in the error when no budget is given
-    spec: ModelSpec | None = field(default=None, init=False, repr=False)
-    _executor: Any = field(default=None, init=False, repr=False)
-    _outstanding: int = field(default=0, init=False, repr=False)  # background jobs submitted, not yet awaited
-    layer_states: dict = field(default_factory=dict, init=False, repr=False)  # layer -> its state (new_state)
-    probe: Any = field(default=None, init=False, repr=False)  # diagnostics=recall (icecache.kv.recall.RecallProbe)
+    spec: ModelSpec | None = field(default=None, init=False, repr=False, compare=False)  # set by bind
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -138,10 +136,10 @@ class KVMethod:
         if getattr(self, key) not in valid:
             raise ValueError(f"{self.name}: {key} must be one of {valid}, got {getattr(self, key)!r}")
 
-    def attach(self, model: torch.nn.Module) -> None:
-        """Called once per cache by :meth:`KVCache.for_model` with the model, before :meth:`bind`: a method that
+    def attach(self, model: torch.nn.Module, cache) -> None:
+        """Called once per cache by :meth:`KVCache.for_model` with the model and the new cache: a method that
         needs more than the attention inputs registers its hooks here (the kvpress adapter captures each
-        layer's input hidden states). Default: nothing."""
+        layer's input hidden states into the cache's sequence state). Default: nothing."""
 
     def bind(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -151,11 +149,22 @@ class KVMethod:
         scaled to its depth), as the run record states them; ``{}`` when a method has none."""
         return {}
 
-    def new_state(self, layer_idx: int) -> LayerState:
-        """A layer's new state, also kept in ``layer_states``: the one way a layer reads another layer's state
-        (IceCache(reuse)'s anchors, OmniKV's filter layers). Subclasses override :meth:`make_state`."""
-        self.layer_states[layer_idx] = state = self.make_state(layer_idx)
-        return state
+    def new_sequence(self, probe=None) -> SequenceState:
+        """The state of a new sequence for a model of the bound spec: :meth:`make_sequence` holding one
+        :meth:`make_state` per layer (each knowing its sequence as ``st.seq``) and the ``diagnostics=recall``
+        ``probe``. :class:`KVCache` makes one per prompt."""
+        seq = self.make_sequence()
+        seq.probe = probe
+        for layer_idx in range(self.spec.n_layers):
+            st = self.make_state(layer_idx)
+            st.seq = seq
+            seq.layers.append(st)
+        return seq
+
+    def make_sequence(self) -> SequenceState:
+        """A new sequence's :class:`SequenceState`; methods that keep values across the layers of one prompt
+        return a subclass holding them."""
+        return SequenceState(worker_name=self.name)
 
     def make_state(self, layer_idx: int) -> LayerState:
         return LayerState(layer_idx)
@@ -185,32 +194,13 @@ class KVMethod:
 
     # ------------------------------------------------------------------ background work
     def submit_background(self, st: LayerState, fn, *args) -> None:
-        """Runs ``fn(*args)`` on the method's single background worker (the prefill pipeline)."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
-        self._outstanding += 1
-        st.pending = self._executor.submit(fn, *args)
+        """Runs ``fn(*args)`` on the sequence's single background worker (the prefill pipeline)."""
+        st.seq.submit(st, fn, *args)
 
     def await_background(self, st: LayerState) -> None:
-        """Waits for ``st``'s background job. When it was the last one outstanding the worker thread exits
-        (:meth:`close`; the next submit starts a new one): a thread that ran parallel torch or numba work keeps
-        an OpenMP team of its own while it lives, and libgomp then counts more threads than cores and cuts
-        every team's spin-wait to a few microseconds, so each parallel op of the decode paid a thread wake-up
-        (docs/benchmarks.md, "Threads and OpenMP waiting")."""
-        if st.pending is None:
-            return
-        pending, st.pending = st.pending, None
-        try:
-            pending.result()
-        finally:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self.close()
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Waits for ``st``'s background job, if any (:meth:`SequenceState.wait`)."""
+        if st.pending is not None:
+            st.seq.wait(st)
 
     # ------------------------------------------------------------------ decode
     def decode(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -225,9 +215,10 @@ class KVMethod:
             fetched = self.fetch(st, selection)
         with timer.span("attention"):
             out = self.attend(st, q, fetched)
-        if self.probe is not None:  # reads only; before observe, which may evict what was attended
+        probe = None if st.seq is None else st.seq.probe  # a lone LayerState belongs to no sequence
+        if probe is not None:  # reads only; before observe, which may evict what was attended
             with timer.span("diagnostics"):
-                self.probe.measure(self, st, q, selection, out)
+                probe.measure(self, st, q, selection, out)
         with timer.span("update"):
             self.observe(st, q, fetched, selection)
         st.attended_sum = st.attended_sum + fetched.past_tokens_per_head()  # no host sync

@@ -14,7 +14,9 @@ pass with several new tokens is decoded token by token, which is exactly causal)
 A cache serves one sequence. ``model.generate`` marks a user-supplied cache at the start of every call;
 a cache that already holds a sequence refuses a second call with a clear error (transformers would
 otherwise continue the first sequence with the new prompt, or fail on a shorter one with an unrelated
-reshape error). :meth:`KVCache.reset` empties it for a new prompt.
+reshape error). :meth:`KVCache.reset` empties it for a new prompt. Everything a sequence holds (the layers'
+states, the background worker, the probe) is in the cache's :class:`~icecache.kv.state.SequenceState`; the
+method keeps only its hyperparameters.
 """
 from __future__ import annotations
 
@@ -67,17 +69,12 @@ class KVCache(compat.Cache):
     def __init__(self, method: KVMethod, spec: ModelSpec, profile: bool = False, probe=None):
         """``probe``: a :class:`~icecache.kv.recall.RecallProbe` (``diagnostics=recall``) that keeps a copy of
         every layer's K/V and measures what the method attends at each decode step; it never writes the
-        method's tensors."""
-        self.method, self.spec = method, spec
-        method.probe = probe  # the method measures (between attend and observe); the cache feeds it the K/V
+        method's tensors. The method measures through the sequence state (between attend and observe); the
+        cache feeds the probe the K/V."""
+        self.method, self.spec, self.probe = method, spec, probe
         self.timer = PhaseTimer(sync=profile, device=spec.device)
         self._bind_fresh()
         super().__init__(layers=self.layers)
-
-    @property
-    def probe(self):
-        """The method's ``diagnostics=recall`` probe (one object, held by the method), or None."""
-        return self.method.probe
 
     @classmethod
     def for_model(cls, method: KVMethod, model: torch.nn.Module, profile: bool = False, probe=None) -> "KVCache":
@@ -85,12 +82,14 @@ class KVCache(compat.Cache):
         also switches the model's attention to the cache-aware function (idempotent). One cache serves one
         sequence (batch size 1): make a new one per prompt."""
         compat.enable_attention(model)
-        method.attach(model)
-        return cls(method, compat.model_spec(model), profile=profile, probe=probe)
+        cache = cls(method, compat.model_spec(model), profile=profile, probe=probe)
+        method.attach(model, cache)
+        return cache
 
     def _bind_fresh(self) -> None:
         self.method.bind(self.spec)
-        self.states = [self.method.new_state(i) for i in range(self.spec.n_layers)]
+        self.sequence = self.method.new_sequence(self.probe)  # all per-sequence state: layers, worker, probe
+        self.states = self.sequence.layers
         self.layers = [MethodLayer(s) for s in self.states]
         self.phase = "new"  # new -> prefill -> decode
         self.explicit_phases = False
@@ -98,7 +97,7 @@ class KVCache(compat.Cache):
     def reset(self) -> None:
         """Empties the cache (same method, same budget) so it can serve a new, unrelated prompt."""
         self.wait_background()
-        self.method.close()
+        self.sequence.close()
         if self.probe is not None:
             self.probe.reset()
         self._bind_fresh()
@@ -228,7 +227,7 @@ class KVCache(compat.Cache):
             self.method.await_background(s)
 
     def close(self) -> None:
-        self.method.close()
+        self.sequence.close()
 
 
 def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

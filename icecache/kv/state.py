@@ -1,8 +1,11 @@
-"""Per-layer state of one sequence: what a cache holds for each decoder layer (the methods' policy lives in
-the method classes, the state here, as in transformers' ``cache_utils``)."""
+"""The state of one sequence, which its cache (:class:`~icecache.kv.KVCache`) owns: one :class:`LayerState` per
+decoder layer inside one :class:`SequenceState`. Methods hold hyperparameters and policy only, as transformers'
+``cache_utils`` keeps the tensors in the cache and the policy in its layer classes; a method reaches the rest of
+its sequence (another layer's state, the background worker, the probe) through ``st.seq``."""
 from __future__ import annotations
 
 import concurrent.futures
+from typing import Any
 
 import torch
 
@@ -13,6 +16,7 @@ class LayerState:
 
     def __init__(self, layer_idx: int):
         self.layer_idx = layer_idx
+        self.seq: SequenceState | None = None  # the sequence this layer belongs to (set by KVMethod.new_sequence)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -26,3 +30,47 @@ class LayerState:
 
     def resident_tokens(self) -> int:
         return 0 if self.k is None else int(self.k.shape[1])
+
+
+class SequenceState:
+    """Everything one sequence holds besides the method's hyperparameters: its layers' states (``layers``, the
+    one way a layer reads another's: IceCache(reuse)'s anchors, OmniKV's filter layers), the single background
+    worker of its prefill pipeline, and the ``diagnostics=recall`` probe (``probe``, a
+    :class:`~icecache.kv.recall.RecallProbe` or None). A method that keeps values across the layers of one prompt
+    returns a subclass from :meth:`~icecache.kv.KVMethod.make_sequence`."""
+
+    def __init__(self, worker_name: str = "kv"):
+        self.layers: list[LayerState] = []
+        self.probe: Any = None
+        self.worker_name = worker_name
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.outstanding = 0  # background jobs submitted, not yet awaited
+
+    def submit(self, st: LayerState, fn, *args) -> None:
+        """Runs ``fn(*args)`` on the sequence's background worker; ``st.pending`` is its future."""
+        if self.executor is None:
+            self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.worker_name)
+        self.outstanding += 1
+        st.pending = self.executor.submit(fn, *args)
+
+    def wait(self, st: LayerState) -> None:
+        """Waits for ``st``'s background job. When it was the last one outstanding the worker thread exits
+        (:meth:`close`; the next submit starts a new one): a thread that ran parallel torch or numba work keeps
+        an OpenMP team of its own while it lives, and libgomp then counts more threads than cores and cuts
+        every team's spin-wait to a few microseconds, so each parallel op of the decode paid a thread wake-up
+        (docs/benchmarks.md, "Threads and OpenMP waiting")."""
+        if st.pending is None:
+            return
+        pending, st.pending = st.pending, None
+        try:
+            pending.result()
+        finally:
+            self.outstanding -= 1
+            if self.outstanding == 0:
+                self.close()
+
+    def close(self) -> None:
+        """Stops the background worker (after its queued jobs)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
