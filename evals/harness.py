@@ -25,15 +25,16 @@ import yaml
 
 from icecache.kv import BudgetError, KVMethod, UnknownNameError
 from icecache.kv.recall import RecallProbe, pool_recall
-from icecache.models import (RANDOM_CONFIGS, ModelUnavailableError, load_model, load_tokenizer, model_entry,
-                             resolve_path, tiny_config)
 
-from . import prefill_cache, results, wandb_log
-from .base import DataError, resolve_budget
-from .config_check import ConfigError, check_config, check_results_dir
+from . import prefill_cache
+from .models import (RANDOM_CONFIGS, ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_path,
+                     tiny_config)
+from .output import results, wandb_log
+from .task import DataError, resolve_budget
+from .config import ConfigError, check_config, check_results_dir
 from .registry import make_method, suite_class
 from .runner import generate
-from .timing import peak_memory_bytes, pool_timing, provenance, run_environment
+from .output.timing import peak_memory_bytes, pool_timing, provenance, run_environment
 
 REPO_ROOT = results.REPO_ROOT
 
@@ -221,7 +222,7 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
     model = load_model(cfg["model"]["name"], cfg["model"].get("path"), cfg["model"].get("dtype", "auto"),
                        cfg["device"], seed=cfg.get("seed", 0), progress=show)
     tokenizer = suite.tokenizer
-    judge = _judge(model, tokenizer, p.suite_options.get("judge_model"), cfg)
+    judge = suite.judge(model, tokenizer, cfg["model"]["name"], cfg["device"])
     segment = f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"  # this process's part of the run
     code = results.git_state()  # each row names the code that wrote it (a run may be resumed by other code)
     for sample in _progress(todo, cfg, p.run_dir):
@@ -255,9 +256,9 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
 def resolved_record(p: Plan, suite) -> dict:
     """``resolved.json``: what the run computes and with which code. ``method``: every init field of the method
     as constructed, presets resolved (with a fractional budget, as built for a
-    :data:`~evals.results.PLAN_PROMPT_TOKENS`-token prompt; each row built otherwise holds its own under
+    :data:`~evals.output.results.PLAN_PROMPT_TOKENS`-token prompt; each row built otherwise holds its own under
     ``method``); ``suite``: its options after defaults and its version; ``model``: :func:`model_record`;
-    ``provenance``: commit, dirty flag and environment of this process (:func:`evals.timing.provenance`)."""
+    ``provenance``: commit, dirty flag and environment of this process (:func:`evals.output.timing.provenance`)."""
     options = suite.options if dataclasses.is_dataclass(getattr(suite, "options", None)) else None
     return {"method": p.resolved_method,
             "suite": {"name": p.cfg["eval"]["name"], **(dataclasses.asdict(options) if options else {}),
@@ -308,25 +309,6 @@ def _probe(cfg: dict, suite, sample) -> RecallProbe | None:
     if not diagnostics:
         return None
     return RecallProbe(every=diagnostics.get("every", 1), needle=suite.needle_positions(sample))
-
-
-def _judge(model, tokenizer, judge_model: str | None, cfg: dict):
-    """The judge for suites that need one (LongGenBench): by default the model under test, else the
-    registered model ``judge_model`` (loaded on first use); always greedy with the full cache."""
-    from baselines.full import FullCache
-
-    loaded = {}
-
-    def judge(text: str, max_new_tokens: int) -> str:
-        if judge_model and judge_model != cfg["model"]["name"]:
-            if not loaded:
-                loaded["model"] = load_model(judge_model, device=cfg["device"])
-                loaded["tokenizer"] = load_tokenizer(judge_model)
-            m, tok = loaded["model"], loaded["tokenizer"]
-        else:
-            m, tok = model, tokenizer
-        return generate(m, tok, FullCache(), tok(text)["input_ids"], max_new_tokens).text
-    return judge
 
 
 def _progress(items, cfg, run_dir):

@@ -46,7 +46,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from icecache.kv import KVCache, KVMethod, compat
 
-from .config_check import ConfigError, check_writable_dir
+from .config import ConfigError, check_writable_dir
 from .registry import METHODS, method_class
 
 FORMAT = "icecache-prefill/1"

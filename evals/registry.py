@@ -6,7 +6,7 @@ whose class lists its ``deviations`` (the fields it changes) and the measurement
 
 This table sits above the library (``icecache/``) and the baselines, which never import it: adding a method
 is one file (its ``@dataclass``) and one line in :data:`METHODS`; its run configuration ``cache=<name>`` is
-generated from the dataclass (:mod:`evals.configs`).
+generated from the dataclass (:mod:`evals.config`).
 """
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ METHODS: dict[str, str] = {
 }
 
 SUITES: dict[str, str] = {
-    "passkey": "evals.passkey:Passkey",
-    "longbench": "evals.longbench:LongBench",
-    "gsm8k": "evals.gsm8k:GSM8K",
-    "ruler": "evals.ruler:Ruler",
-    "longgenbench": "evals.longgenbench:LongGenBench",
-    "latency": "evals.latency:Latency",
+    "passkey": "evals.tasks.passkey:Passkey",
+    "longbench": "evals.tasks.longbench:LongBench",
+    "gsm8k": "evals.tasks.gsm8k:GSM8K",
+    "ruler": "evals.tasks.ruler:Ruler",
+    "longgenbench": "evals.tasks.longgenbench:LongGenBench",
+    "latency": "evals.tasks.latency:Latency",
 }
 
 __all__ = ["METHODS", "SUITES", "UnknownNameError", "make_cache", "make_method", "method_class", "suite_class"]

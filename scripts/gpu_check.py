@@ -77,7 +77,7 @@ def worker(args) -> None:
     import torch
 
     from evals.bench.decode import measure, prompts
-    from icecache.models import load_model, load_tokenizer
+    from evals.models import load_model, load_tokenizer
 
     cfg = CPU if args.cpu else GPU
     if args.cpu:

@@ -115,7 +115,7 @@ def dispatch_per_layer(budget: int = 256, prompt: int = 600, new: int = 12) -> d
     the Python/torch dispatch that a 32-layer model pays 32 times per token."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from evals.runner import generate
-    from icecache.models import load_model
+    from evals.models import load_model
 
     model = load_model("tiny-llama", dtype="float32", device="cpu")
     ids = torch.randint(0, 256, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kvpress side-by-side table of docs/kvpress.md: five kvpress presses next to our methods on passkey
 # (2k + 4k x 3 depths) and RULER 4k niah (5 tasks x LIMIT samples, default 1) at budgets 64/128/256, one thread, no probe
-# (so TPOT is the method's own). Rows land in $OUT (results_dir); `python -m evals.summary $OUT` tabulates them.
+# (so TPOT is the method's own). Rows land in $OUT (results_dir); `python -m evals.output.summary $OUT` tabulates them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/kvpress_side}

@@ -28,7 +28,7 @@ def byte_tokenizer():
 
 def _real_model(name: str, missing: str):
     """A real model (fp32 on CPU) and its tokenizer, or the test skipped with ``missing`` and the reason."""
-    from icecache.models import ModelUnavailableError, load_model, load_tokenizer
+    from evals.models import ModelUnavailableError, load_model, load_tokenizer
 
     try:
         return load_model(name, dtype="float32"), load_tokenizer(name)

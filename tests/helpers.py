@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evals.registry import make_cache
-from icecache.models import tiny_config
+from evals.models import tiny_config
 
 DATA_DIR = Path(os.environ.get("ICECACHE_DATA_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 

@@ -6,7 +6,7 @@ import torch
 from helpers import build_tiny
 
 from evals.bench.ablation import grid, icecache_config, replayable
-from evals.prefill_cache import Prefill as Prefilled
+from evals.prefill_cache import Prefill
 from evals.registry import make_method
 from evals.runner import generate
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_replayed_prefill_generates_what_a_live_prefill_generates(method, options):
     model = build_tiny("tiny-llama", 2, 4)
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
-    prefilled = Prefilled.capture(model, ids)
+    prefilled = Prefill.capture(model, ids)
     live = generate(model, None, make_method(method, **options), ids, 24, ignore_eos=True)
     replayed = generate(model, None, make_method(method, **options), ids, 24, ignore_eos=True, prefilled=prefilled)
     assert replayed.token_ids == live.token_ids
@@ -37,7 +37,7 @@ def test_replayed_prefill_generates_what_a_live_prefill_generates(method, option
 def test_replay_refuses_methods_with_prefill_statistics_and_other_prompts():
     model = build_tiny("tiny-llama", 2, 4)
     ids = list(range(100))
-    prefilled = Prefilled.capture(model, ids)
+    prefilled = Prefill.capture(model, ids)
     with pytest.raises(ValueError, match="statistics during prefill"):
         generate(model, None, make_method("h2o", budget=32), ids, 4, prefilled=prefilled)
     with pytest.raises(ValueError, match="run it live"):

@@ -623,7 +623,7 @@ def test_invalid_budgets_fail_at_config_time(method, budget):
 # ------------------------------------------------------------------------- MagicPIG: the estimator and its K
 def test_magicpig_default_is_the_official_configuration():
     """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
-    from evals.configs import compose_config
+    from evals.config import compose_config
 
     official = make_method("magicpig", budget=256)
     assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (10, 150, False,

@@ -80,7 +80,7 @@ def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
 
 
 def test_omp_wait_record_names_how_idle_threads_wait(monkeypatch):
-    from evals.timing import omp_wait_record
+    from evals.output.timing import omp_wait_record
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert omp_wait_record() == "default"

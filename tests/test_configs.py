@@ -1,5 +1,5 @@
 """Every default is written once: the methods' dataclass fields and the suites' ``Options`` are the run
-config (evals/configs.py); YAML under conf/ holds presets and model settings, never a copy of a default."""
+config (evals/config.py); YAML under conf/ holds presets and model settings, never a copy of a default."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 import yaml
 from helpers import skip_without_requirement
 
-from evals import configs
-from evals.config_check import ConfigError, check_config
+from evals import config
+from evals.config import ConfigError, check_config
 from evals.registry import METHODS, SUITES, make_method, method_class, suite_class
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -19,8 +19,8 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_cache_config_is_the_dataclass(name):
     skip_without_requirement(name)
-    cache = configs.compose_config([f"cache={name}"])["cache"]
-    assert cache == configs.method_defaults(name)
+    cache = config.compose_config([f"cache={name}"])["cache"]
+    assert cache == config.method_defaults(name)
     options = {k: v for k, v in cache.items() if k != "name"}
     cls = method_class(name)
     budget = None if not cls.needs_budget else max(128, cls.example_budget)  # arkvale: 256 at least
@@ -29,9 +29,9 @@ def test_cache_config_is_the_dataclass(name):
 
 @pytest.mark.parametrize("name", sorted(SUITES))
 def test_eval_config_is_the_options_dataclass(name):
-    cfg = configs.compose_config([f"eval={name}", "model=smollm2-135m"])
+    cfg = config.compose_config([f"eval={name}", "model=smollm2-135m"])
     suite = suite_class(name)
-    expected = {**configs.suite_defaults(name), **{k: _resolve(v, cfg) for k, v in suite.model_links.items()}}
+    expected = {**config.suite_defaults(name), **{k: _resolve(v, cfg) for k, v in suite.model_links.items()}}
     assert cfg["eval"] == expected
     assert set(suite.model_links) <= {f.name for f in dataclasses.fields(suite.Options)}
 
@@ -53,7 +53,7 @@ def test_no_default_is_written_twice():
         preset = yaml.safe_load(path.read_text())
         parents = [d for d in preset.pop("defaults") if d != "_self_"]
         assert len(parents) == 1 and parents[0] in SUITES, path
-        defaults = configs.suite_defaults(parents[0])
+        defaults = config.suite_defaults(parents[0])
         for key, value in preset.items():
             assert key in defaults, f"{path}: {key} is not an option of {parents[0]}"
             assert value != defaults[key], f"{path}: {key}={value!r} repeats the default"
@@ -68,16 +68,16 @@ def test_a_suite_carries_the_official_setting_of_a_method():
         assert path.stem in pairs, f"{path} names no (suite, method) pair"
         overrides = yaml.safe_load(path.read_text())
         assert set(overrides) == {"cache"}, path
-        defaults = configs.method_defaults(pairs[path.stem][1])
+        defaults = config.method_defaults(pairs[path.stem][1])
         for key, value in overrides["cache"].items():
             assert key in defaults and value != defaults[key], f"{path}: {key}={value!r}"
     for method in ("icecache", "icecache_reuse"):  # the official GSM8K script passes no --ratio_1: 0.03
-        assert configs.compose_config(["eval=gsm8k", f"cache={method}"])["cache"]["ratio_1"] == 0.03
-        assert configs.compose_config(["eval=passkey", f"cache={method}"])["cache"]["ratio_1"] == 0.01
-        assert configs.compose_config(["eval=longbench", f"cache={method}"])["cache"]["ratio_1"] == 0.01
-        user = configs.compose_config(["eval=gsm8k", f"cache={method}", "cache.ratio_1=0.01"])
+        assert config.compose_config(["eval=gsm8k", f"cache={method}"])["cache"]["ratio_1"] == 0.03
+        assert config.compose_config(["eval=passkey", f"cache={method}"])["cache"]["ratio_1"] == 0.01
+        assert config.compose_config(["eval=longbench", f"cache={method}"])["cache"]["ratio_1"] == 0.01
+        user = config.compose_config(["eval=gsm8k", f"cache={method}", "cache.ratio_1=0.01"])
         assert user["cache"]["ratio_1"] == 0.01
-    assert configs.compose_config(["eval=gsm8k", "cache=quest"])["cache"] == configs.method_defaults("quest")
+    assert config.compose_config(["eval=gsm8k", "cache=quest"])["cache"] == config.method_defaults("quest")
 
 
 # The published settings, written here from the papers and official code (not read from the dataclasses), so
@@ -111,7 +111,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("method,option", sorted(PUBLISHED))
 def test_defaults_are_the_published_settings(method, option):
-    assert configs.compose_config([f"cache={method}"])["cache"][option] == PUBLISHED[(method, option)]
+    assert config.compose_config([f"cache={method}"])["cache"][option] == PUBLISHED[(method, option)]
 
 
 def test_official_layer_choices_are_the_published_ones():
@@ -122,17 +122,17 @@ def test_official_layer_choices_are_the_published_ones():
     assert OFFICIAL_DENSE_LAYERS == (0, 16)  # MagicPIG: layers 0 and 16 of 32 stay dense
 
 def test_icecache_reuse_extends_icecache_through_the_defaults_list():
-    node = configs.method_node("icecache_reuse")
+    node = config.method_node("icecache_reuse")
     assert node["defaults"] == ["icecache", "_self_"]
     assert set(node) == {"defaults", "name", "n_reuse_layers", "rerank", "own_candidates"}
-    cfg = configs.compose_config(["cache=icecache_reuse", "cache.page_size=8"])["cache"]
+    cfg = config.compose_config(["cache=icecache_reuse", "cache.page_size=8"])["cache"]
     assert cfg["page_size"] == 8 and cfg["rerank"] == 0  # the official copy of the anchor's pages
-    variant = configs.compose_config(["cache=icecache_reuse_rerank"])["cache"]
+    variant = config.compose_config(["cache=icecache_reuse_rerank"])["cache"]
     assert variant["rerank"] == 3 and variant["own_candidates"] is None  # resolved from the budget when built
 
 
 def test_types_are_checked_against_the_python_defaults():
-    cfg = configs.compose_config(["cache=quest", "eval=passkey"])
+    cfg = config.compose_config(["cache=quest", "eval=passkey"])
     with pytest.raises(ConfigError, match="cache.page_size must be a whole number"):
         check_config(dict(cfg, cache=dict(cfg["cache"], page_size=1.5)))
     with pytest.raises(ConfigError, match="eval.max_new_tokens must be a whole number"):

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from helpers import METHOD_CASES, generate_reference, skip_without_requirement
 
 from evals.registry import METHODS, make_cache, make_method
-from icecache.models import tiny_config
+from evals.models import tiny_config
 
 DEVICE = os.environ.get("ICECACHE_CUDA_TESTS_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")

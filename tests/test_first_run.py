@@ -1,6 +1,6 @@
 """A process's first request is timed like its tenth: no numba kernel is compiled or loaded inside a timed request
 (:meth:`icecache.kv.KVMethod.warm_up`, :func:`evals.runner.warm_model`), and first-time set-up (the checkpoint
-conversion of :mod:`icecache.models`) is safe when several processes start at once."""
+conversion of :mod:`evals.models`) is safe when several processes start at once."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ FIRST_REQUESTS = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     from evals import runner
     from evals.registry import make_method
-    from icecache.models import tiny_config
+    from evals.models import tiny_config
 
     def loaded():
         return sum(len(obj.overloads) for name, mod in list(sys.modules.items())
@@ -95,7 +95,7 @@ def test_warm_up_leaves_the_method_the_outputs_and_the_random_state_as_they_were
 WRITERS = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from icecache.models import build_checkpoint
+    from evals.models import build_checkpoint
 
     def write(folder):
         with open(Path(sys.argv[2]), "a") as log:
@@ -128,7 +128,7 @@ def test_two_processes_setting_up_at_once_convert_once_and_leave_one_checkpoint(
 def test_two_concurrent_gguf_conversions_both_succeed(tmp_path, monkeypatch):
     import transformers
 
-    from icecache.models import tiny_tokenizer
+    from evals.models import tiny_tokenizer
 
     barrier, loads = threading.Barrier(2), []
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from helpers import DATA_DIR
 
-from evals.base import DataError, resolve_budget
-from evals.gsm8k import (
+from evals.task import DataError, resolve_budget
+from evals.tasks.gsm8k import (
     GSM8K,
     LM_EVAL_EXEMPLARS,
     lm_eval_exact_match,

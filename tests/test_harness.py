@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from evals import results
+from evals.output import results
 from evals.harness import ConfigError, run_eval
-from evals.summary import collect
+from evals.output.summary import collect
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import ICECACHE_EXHAUSTIVE, assert_matches_full, build_tiny, generate_with
 
-from evals.configs import compose_config
+from evals.config import compose_config
 from evals.registry import make_method
 from icecache.kv import BudgetError, KVCache, ModelSpec, compat
 from icecache.kv.timing import PhaseTimer
@@ -470,7 +470,7 @@ def _passkey_cfg(cache: str, budget, out: Path, **passkey) -> dict:
 
 
 def _smollm2_or_skip():
-    from icecache.models import ModelUnavailableError, smollm2_checkpoint
+    from evals.models import ModelUnavailableError, smollm2_checkpoint
     try:
         smollm2_checkpoint()
     except ModelUnavailableError as err:
@@ -513,9 +513,9 @@ def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
     and replayed into both caches (evals.bench.ablation.Prefilled; a test there checks replay = live)."""
     _smollm2_or_skip()
     from evals.bench.ablation import Prefilled
-    from evals.passkey import Passkey
+    from evals.tasks.passkey import Passkey
     from evals.runner import generate
-    from icecache.models import load_model, load_tokenizer
+    from evals.models import load_model, load_tokenizer
     tokenizer, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m")
     misses, found = [], 0
     for seed in (3, 11):

@@ -14,14 +14,15 @@ import pytest
 import torch
 from helpers import BUDGET_64_HP, DATA_DIR, build_tiny, skip_without_requirement
 
-from evals import harness, plots, results
-from evals.base import DataError
-from evals.config_check import ConfigError, check_config, shapes
+from evals import harness
+from evals.output import plots, results
+from evals.task import DataError
+from evals.config import ConfigError, check_config, shapes
 from evals.harness import USER_ERRORS, run_eval
-from evals.longbench import LongBench
+from evals.tasks.longbench import LongBench
 from evals.registry import METHODS, SUITES, make_cache
-from evals.summary import collect
-from icecache.models import ModelUnavailableError, resolve_dtype, tiny_tokenizer
+from evals.output.summary import collect
+from evals.models import ModelUnavailableError, resolve_dtype, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 needs_longbench = pytest.mark.skipif(not (DATA_DIR / "longbench_sample").is_dir(), reason="no shared LongBench data")
@@ -337,9 +338,9 @@ def test_identical_labels_from_two_folders_stay_two_panels(tmp_path, monkeypatch
     assert len(panels) == 2
 
 
-def test_reference_results_are_outside_the_default_results_dir():
+def test_committed_results_are_outside_the_default_results_dir():
     assert not (REPO / "results" / "reference").exists()
-    assert any((REPO / "reference_results").rglob("metrics.json"))
+    assert any((REPO / "tests" / "fixtures" / "results").rglob("metrics.json"))
 
 
 # ---------------------------------------------------------------- 9. LongBench default on the shared data
@@ -409,7 +410,7 @@ def test_result_files_follow_the_umask(tmp_path):
 def test_a_converted_checkpoint_follows_the_umask(tmp_path, monkeypatch):
     import transformers
 
-    from icecache.models import convert_gguf
+    from evals.models import convert_gguf
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: build_tiny())
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
@@ -446,7 +447,7 @@ def test_wandb_logs_a_rerun_of_a_finished_directory(tmp_path, monkeypatch):
 def test_summary_survives_empty_missing_and_malformed_folders(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert collect(tmp_path / "empty").empty
-    out = subprocess.run([sys.executable, "-m", "evals.summary", str(tmp_path / "missing")], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "evals.output.summary", str(tmp_path / "missing")], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()]
     good = run_eval(tiny_cfg(tmp_path))
@@ -475,7 +476,7 @@ def test_whole_float_budget_is_the_same_run():
 def test_progress_false_silences_the_weight_loading_bar(tmp_path):
     from transformers.utils import logging as hf_logging
 
-    from icecache.models import load_model
+    from evals.models import load_model
 
     folder = tmp_path / "m"
     build_tiny().save_pretrained(folder)

@@ -30,7 +30,7 @@ def kept_bitmasks(cache, n: int) -> list[list[str]]:
 def smollm2_fp32():
     from transformers import AutoModelForCausalLM
 
-    from icecache.models import ModelUnavailableError, smollm2_checkpoint
+    from evals.models import ModelUnavailableError, smollm2_checkpoint
     try:
         path = smollm2_checkpoint()
     except ModelUnavailableError as err:

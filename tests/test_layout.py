@@ -28,6 +28,9 @@ def imported_packages(path: Path) -> set[str]:
     return names
 
 
+EVALS_CORE = 9  # evals/: __init__ + at most 8 modules; suites in evals/tasks/, outputs in evals/output/
+
+
 @pytest.mark.parametrize("package,forbidden", [("icecache", {"baselines", "evals"}), ("baselines", {"evals"})])
 def test_imports_run_one_way(package, forbidden):
     bad = {str(p.relative_to(REPO)): sorted(imported_packages(p) & forbidden) for p in sources(package)}
@@ -89,3 +92,20 @@ def test_tracked_text_speaks_only_of_the_project():
         if hits:
             found[str(path.relative_to(REPO))] = hits
     assert not found, found
+
+
+def test_evals_keeps_a_small_core_beside_tasks_output_and_bench():
+    top = sorted(p.name for p in (REPO / "evals").glob("*.py"))
+    assert len(top) <= EVALS_CORE, top
+    assert {p.name for p in (REPO / "evals").iterdir() if p.is_dir() and p.name != "__pycache__"} == \
+        {"tasks", "output", "bench"}
+
+
+def test_the_library_loads_no_model_and_the_harness_needs_no_benchmark():
+    """Model loading and installation live in evals/models.py; suites and outputs never import a benchmark."""
+    assert not {p for p in sources("icecache") if imported_packages(p) & {"gguf", "huggingface_hub"}}
+    def imports_bench(path: Path) -> bool:
+        return any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("evals.bench", "bench"))
+                   or isinstance(n, ast.Import) and any(a.name.startswith("evals.bench") for a in n.names)
+                   for n in ast.walk(ast.parse(path.read_text())))
+    assert not [str(p.relative_to(REPO)) for p in sources("evals") if "bench" not in p.parts and imports_bench(p)]

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from helpers import DATA_DIR, build_byte_tokenizer
 
-from evals import longbench_metrics as m
-from evals.base import DataError
-from evals.longbench import CHINESE_TASKS, ENGLISH_TASKS, LongBench
+from evals.tasks.longbench import metrics as m
+from evals.task import DataError
+from evals.tasks.longbench import CHINESE_TASKS, ENGLISH_TASKS, LongBench
 
 SAMPLE_TASKS = ["qasper", "multifieldqa_en", "2wikimqa", "trec", "lcc", "multi_news"]
 needs_data = pytest.mark.skipif(not (DATA_DIR / "longbench_sample").is_dir(),
@@ -321,7 +321,7 @@ def test_samsum_eos_list_replaces_the_generation_configs():
     (Llama-3.1's <|end_of_text|>) no longer end generation; every other task keeps them."""
     from baselines.full import FullCache
     from evals.runner import generate
-    from icecache.models import load_model, load_tokenizer
+    from evals.models import load_model, load_tokenizer
 
     model, tok = load_model("tiny-llama"), load_tokenizer("tiny-llama")
     prompt = tok("Dialogue: A: hi")["input_ids"]

@@ -1,4 +1,4 @@
-"""LongGenBench (Wu et al.) suite (evals/longgenbench.py; mozhu621/LongGenBench): parsing, check
+"""LongGenBench (Wu et al.) suite (evals/tasks/longgenbench.py; mozhu621/LongGenBench): parsing, check
 extraction, judged scoring with a deterministic fake judge, pooled aggregation."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 from helpers import DATA_DIR
 
-from evals.base import DataError, Sample
-from evals.longgenbench import (
+from evals.task import DataError, Sample
+from evals.tasks.longgenbench import (
     LongGenBench,
     completion_rate,
     judge_prompts,
     parse_blocks,
 )
-from icecache.models import tiny_tokenizer
+from evals.models import tiny_tokenizer
 
 needs_data = pytest.mark.skipif(not (DATA_DIR / "longgenbench").is_dir(), reason=f"shared data not at {DATA_DIR}")
 QUESTION = "? Please answer with 'yes' or 'no' only."
@@ -177,7 +177,7 @@ def test_official_sampling_by_default_greedy_as_an_option(tokenizer):
 def test_official_judge_is_the_default_and_its_absence_is_a_clear_error(tokenizer, monkeypatch):
     import huggingface_hub
 
-    from icecache.models import ModelUnavailableError
+    from evals.models import ModelUnavailableError
 
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, filename: None)
     with pytest.raises(ModelUnavailableError, match="Llama-3.1-8B-Instruct.*judge_model=null"):

@@ -12,7 +12,7 @@ from helpers import METHOD_CASES, build_tiny, skip_without_requirement
 from evals.harness import run_eval
 from evals.registry import make_cache
 from evals.runner import generate
-from evals.summary import collect
+from evals.output.summary import collect
 from icecache.kv import KVCache
 from icecache.kv.base import MEMORY_KEYS
 

@@ -10,7 +10,7 @@ nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-REFERENCE = NOTEBOOKS.parent / "reference_results"
+REFERENCE = NOTEBOOKS.parent / "tests" / "fixtures" / "results"
 
 
 def execute(name: str) -> list[str]:
@@ -22,8 +22,8 @@ def execute(name: str) -> list[str]:
             for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
 
 
-def test_paper_figures_regenerates_every_figure_from_the_reference_results(tmp_path, monkeypatch):
-    assert any(REFERENCE.rglob("metrics.json")), "the committed reference results are missing"
+def test_paper_figures_regenerates_every_figure_from_the_results_fixture(tmp_path, monkeypatch):
+    assert any(REFERENCE.rglob("metrics.json")), "the committed results fixture is missing"
     monkeypatch.setenv("FIGURES_DIR", str(tmp_path))
     monkeypatch.setenv("RESULTS_DIR", str(REFERENCE))
     text = "\n".join(execute("paper_figures.ipynb"))

@@ -1,4 +1,4 @@
-"""Figures: each plot function writes a PNG from a fixture results folder; ``python -m evals.plots`` writes them all."""
+"""Figures: each plot function writes a PNG from a fixture results folder; ``python -m evals.output.plots`` writes them all."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +8,8 @@ import pytest
 import yaml
 from matplotlib import image
 
-from evals import plots, results
-from evals.summary import collect
+from evals.output import plots, results
+from evals.output.summary import collect
 
 PHASES = {"select": 0.001, "transfer": 0.002, "attention": 0.004, "update": 0.0005, "other": 0.003}
 LENGTHS, DEPTHS = (512, 1024), (0.0, 0.5)

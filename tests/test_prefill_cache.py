@@ -11,7 +11,7 @@ import torch
 from helpers import BUDGET_64_HP, METHOD_CASES, build_tiny, natural_prompt_ids, skip_without_requirement
 
 from evals import prefill_cache
-from evals.config_check import ConfigError
+from evals.config import ConfigError
 from evals.harness import run_eval
 from evals.prefill_cache import Prefill, PrefillCacheError, PrefillStore, from_config, replay_refusal
 from evals.registry import METHODS, make_method, method_class

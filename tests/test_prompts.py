@@ -15,10 +15,10 @@ from helpers import DATA_DIR
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from evals.configs import compose_config
-from evals.longbench import LongBench
-from evals.passkey import GARBAGE, QUESTION, TASK, Passkey, depth_grid, passkey_correct
-from evals.ruler import Ruler
+from evals.config import compose_config
+from evals.tasks.longbench import LongBench
+from evals.tasks.passkey import GARBAGE, QUESTION, TASK, Passkey, depth_grid, passkey_correct
+from evals.tasks.ruler import Ruler
 
 PAPER_MODELS = ["llama-3.1-8b-instruct", "mistral-7b-instruct-v0.2", "longchat-7b-v1.5", "qwen3-32b",
                 "qwen3-4b-instruct-2507"]

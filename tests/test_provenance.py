@@ -15,14 +15,14 @@ import pytest
 import yaml
 from helpers import BUDGET_64_HP, build_tiny
 
-from evals import results
-from evals.configs import method_defaults
+from evals.output import results
+from evals.config import method_defaults
 from evals.harness import plan, run_eval
 from baselines.full import FullCache
 from baselines.magicpig import MagicPIG
 from baselines.omnikv import OmniKV
 from evals.registry import METHODS, method_class
-from evals.summary import collect
+from evals.output.summary import collect
 
 REPO = Path(__file__).resolve().parents[1]
 SHA = re.compile(r"[0-9a-f]{40}")

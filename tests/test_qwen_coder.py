@@ -9,7 +9,7 @@ import pytest
 from helpers import generate_reference, generate_with, natural_prompt_ids
 
 from icecache import models
-from icecache.models import ModelUnavailableError
+from evals.models import ModelUnavailableError
 
 
 def test_missing_checkpoint_names_the_make_target(tmp_path, monkeypatch):

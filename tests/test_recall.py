@@ -11,12 +11,12 @@ import torch
 from helpers import METHOD_CASES, build_byte_tokenizer, build_tiny, skip_without_requirement
 from test_harness import read_rows, tiny_cfg
 
-from evals.base import Sample, Suite
+from evals.task import Sample, Suite
 from evals.harness import ConfigError, run_eval
-from evals.plots import make_all
+from evals.output.plots import make_all
 from evals.registry import make_method
 from evals.runner import generate
-from evals.summary import collect
+from evals.output.summary import collect
 from icecache.kv import KVCache, ModelSpec
 from icecache.kv.recall import RecallProbe, exact_attention, pool_recall, positions_mask, step_metrics
 

@@ -14,7 +14,7 @@ import torch
 from helpers import BUDGET_64_HP, build_tiny, generate_twice, skip_without_requirement
 
 from evals.registry import METHODS, make_cache
-from icecache.models import ModelUnavailableError, load_model
+from evals.models import ModelUnavailableError, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "run.py", "model=tiny-llama", "cache=streaming_llm", "budget=32", "eval.lengths=[200]",

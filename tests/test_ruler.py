@@ -1,4 +1,4 @@
-"""RULER suite (evals/ruler/; NVIDIA/RULER scripts/data/synthetic): generation fidelity, length fitting, metrics."""
+"""RULER suite (evals/tasks/ruler/; NVIDIA/RULER scripts/data/synthetic): generation fidelity, length fitting, metrics."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from helpers import DATA_DIR
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from evals.base import DataError, Sample
-from evals.ruler import (
+from evals.task import DataError, Sample
+from evals.tasks.ruler import (
     TASKS,
     TEMPLATES,
     AdjNounWords,
@@ -246,7 +246,7 @@ def test_score_and_aggregate(tokenizer):
 def test_smollm2_tokenizer_chat_prompts():
     from transformers import AutoTokenizer
 
-    from icecache.models import ModelUnavailableError, smollm2_checkpoint
+    from evals.models import ModelUnavailableError, smollm2_checkpoint
     try:
         tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
     except ModelUnavailableError as err:

@@ -52,26 +52,25 @@ def test_suite_runs_end_to_end_with_limit_2(tmp_path, suite, cache):
 
 
 def test_judge_is_the_model_under_test_by_default_else_the_named_model_loaded_once(monkeypatch):
-    """LongGenBench's judge (evals.harness._judge): greedy with the full cache, the model under test unless
-    ``judge_model`` names another registered model, which is loaded on first use only."""
+    """LongGenBench's judge (evals.tasks.longgenbench.make_judge): greedy with the full cache, the model under
+    test unless ``judge_model`` names another registered model, which is loaded on first use only."""
     from baselines.full import FullCache
-    from evals import harness
+    from evals.tasks import longgenbench
     from evals.runner import generate
-    from icecache.models import load_model, load_tokenizer
+    from evals.models import load_model, load_tokenizer
 
     model, tok = load_model("tiny-llama"), load_tokenizer("tiny-llama")
     other = load_model("tiny-qwen3")
-    cfg = {"model": {"name": "tiny-llama"}, "device": "cpu"}
     prompt = "Context: Week 3 ...### Instruction: Does this context include the party? Answer 'yes' or 'no'."
 
     def expected(m):
         return generate(m, tok, FullCache(), tok(prompt)["input_ids"], 7).text
 
-    assert harness._judge(model, tok, None, cfg)(prompt, 7) == expected(model)
-    assert harness._judge(model, tok, "tiny-llama", cfg)(prompt, 7) == expected(model)
+    assert longgenbench.make_judge(model, tok, None, "tiny-llama", "cpu")(prompt, 7) == expected(model)
+    assert longgenbench.make_judge(model, tok, "tiny-llama", "tiny-llama", "cpu")(prompt, 7) == expected(model)
     assert expected(other) != expected(model)  # so the next check tells the two judges apart
     loads = []
-    monkeypatch.setattr(harness, "load_model", lambda name, device: loads.append((name, device)) or other)
-    judge = harness._judge(model, tok, "tiny-qwen3", cfg)
+    monkeypatch.setattr(longgenbench, "load_model", lambda name, device: loads.append((name, device)) or other)
+    judge = longgenbench.make_judge(model, tok, "tiny-qwen3", "tiny-llama", "cpu")
     assert judge(prompt, 7) == judge(prompt, 7) == expected(other)
     assert loads == [("tiny-qwen3", "cpu")]

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import yaml
 
-from evals import results, summary
-from evals.gsm8k import GSM8K
-from evals.longbench import LongBench
-from evals.longgenbench import LongGenBench
-from evals.passkey import Passkey
-from evals.ruler import Ruler
+from evals.output import results, summary
+from evals.tasks.gsm8k import GSM8K
+from evals.tasks.longbench import LongBench
+from evals.tasks.longgenbench import LongGenBench
+from evals.tasks.passkey import Passkey
+from evals.tasks.ruler import Ruler
 
 DRAWS = 300
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from evals import wandb_log
+from evals.output import wandb_log
 from evals.harness import run_eval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_local_submitit_sweep_runs_each_job_in_its_own_directory_and_resumes(tmp
     # submitit jobs are not on a TTY: no progress bar in their logs
     assert not any("\r" in log.read_text() for log in first.glob(".submitit/*/*_log.err"))
 
-    out = subprocess.run([sys.executable, "-m", "evals.summary", str(results_dir)], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "evals.output.summary", str(results_dir)], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     summary = pd.read_csv(results_dir / "summary.csv")
@@ -190,7 +190,7 @@ def test_wandb_offline_run_has_names_summary_and_predictions(tmp_path, monkeypat
 
 
 def test_wandb_is_not_imported_when_disabled():
-    code = ("import sys; from evals import harness, wandb_log; "
+    code = ("import sys; from evals import harness; from evals.output import wandb_log; "
             "assert wandb_log.log_run({'wandb': {'enabled': False}}, None) is None; "
             "assert 'wandb' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -7,7 +7,7 @@ and the exact top-k oracle as bounds, and prints one table (accuracy, and the mo
 budgeted layer attended per head, which must not exceed the budget except for ``union``).
 
 Every method here computes exact attention at prefill, so a sample's prompt is prefilled once with the
-full cache and its per-layer K/V and last logits (:class:`Prefilled`) are replayed into each
+full cache and its per-layer K/V and last logits (:class:`Prefill`) are replayed into each
 configuration's cache (:meth:`KVMethod.store` + :meth:`KVMethod.finish_prefill`, what the live prefill
 does after attention); decoding then runs the harness's own loop (:func:`evals.runner.generate`), so
 stopping rules and scores are the suites'. A test checks that a replayed generation equals a live one.
@@ -40,17 +40,16 @@ import torch
 from evals.bench.capture import build_prompt
 from evals.bench.index import model_spec
 from evals.harness import REPO_ROOT, repo_path
-from evals.passkey import Passkey
-from evals.prefill_cache import Prefill as Prefilled
-from evals.prefill_cache import replay_refusal
+from evals.tasks.passkey import Passkey
+from evals.prefill_cache import Prefill, replay_refusal
 from evals.registry import make_method
-from evals.results import row_provenance
-from evals.ruler import Ruler
+from evals.output.results import row_provenance
+from evals.tasks.ruler import Ruler
 from evals.runner import generate
-from evals.summary import percentile_interval, resample_means
+from evals.output.summary import percentile_interval, resample_means
+from evals.models import load_model, load_tokenizer
 from icecache.kv import KVMethod
 from icecache.kv.recall import RecallProbe, positions_mask
-from icecache.models import load_model, load_tokenizer
 
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue")
 MERGES = ("interleaved", "union", "mass", "max")
@@ -125,7 +124,7 @@ def named_config(spec: str, budget: int) -> Config:
 
 def replayable(spec: str) -> str:
     """``spec`` (:func:`named_config`) if its method's prefill is exact attention + :meth:`KVMethod.store`
-    or reads only the last query (:class:`Prefilled` replays it), else a ValueError."""
+    or reads only the last query (:class:`Prefill` replays it), else a ValueError."""
     name = spec.partition(":")[0]
     reason = replay_refusal(make_method(name, budget=64))
     if reason is not None:
@@ -136,7 +135,7 @@ def replayable(spec: str) -> str:
 def model_max_length(name: str) -> int:
     """A registered model's context length: its ``model.max_length`` as ``run.py model=<name>`` composes it
     (``conf/model/<name>.yaml``, the one place it is written)."""
-    from evals.configs import compose_config
+    from evals.config import compose_config
 
     return int(compose_config([f"model={name}"])["model"]["max_length"])
 
@@ -156,7 +155,7 @@ def suite_samples(tokenizer, args) -> list[tuple[str, object, object]]:
     return out
 
 
-def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefilled, cap: int | None,
+def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefill, cap: int | None,
              probe: bool = False) -> dict:
     """One configuration on one sample; with ``probe``, also the live attention-mass recall (``recall_mean``,
     ``needle_share_mean``, ``needle_top_mean``: :mod:`icecache.kv.recall`) of its decode steps."""
@@ -199,7 +198,7 @@ def run(args) -> Path:
         todo = [c for c in cells if (c.label, c.budget, label, sample.id) not in done]
         if not todo:
             continue
-        prefilled = Prefilled.capture(model, sample.prompt_ids)
+        prefilled = Prefill.capture(model, sample.prompt_ids)
         for cell in todo:
             row = {"config": cell.label, "budget": cell.budget, "suite": label, "id": sample.id, "task": sample.task,
                    "options": dict(cell.options), **row_provenance(cell.build(), cell.method),
@@ -248,7 +247,7 @@ def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.Da
     that full also answered, full's score on the same samples, their ratio, and its 95% paired bootstrap interval
     (``draws`` resamples of the samples within each task, the same draw for both: the spread a sample of this size
     leaves on the ratio). The resampling and the percentile interval are the summary's
-    (:func:`evals.summary.resample_means`, :func:`evals.summary.percentile_interval`); one generator seeded
+    (:func:`evals.output.summary.resample_means`, :func:`evals.output.summary.percentile_interval`); one generator seeded
     ``seed`` serves every cell in turn."""
     rng = np.random.default_rng(seed)
     full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"]

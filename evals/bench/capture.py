@@ -67,7 +67,7 @@ def build_prompt(tokenizer, data_dir: Path, n_tokens: int, depth: float = 0.4, s
 
 
 def capture(model_name: str, data_dir: Path, n_tokens: int, steps: int, threads: int) -> dict:
-    from icecache.models import load_model, load_tokenizer
+    from evals.models import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_name)

@@ -4,14 +4,14 @@ side, its growth with the context, and ratios to the full cache. ``python -m eva
 
 For each (method, length): TT2T, TTFT, TPOT over tokens 3..N (``tpot_s`` the mean, as in every
 ``timing.json``; ``tpot_p50_s`` the median, which the printed table and the summary use because one
-stalled step on a shared machine moves the mean; :func:`evals.timing.tpot_stats`) and the TPOT breakdown
+stalled step on a shared machine moves the mean; :func:`evals.output.timing.tpot_stats`) and the TPOT breakdown
 (select / transfer / attention / update / other, seconds per output token), with EOS ignored so every
 method decodes the same number of tokens. The summary gives, per method, TPOT at every length and its
 growth from ``--growth-from`` to ``--growth-to`` (4k -> 32k): the context-growing part of TPOT in
 milliseconds and as a ratio (on the median TPOT), split by phase (per-token means: which phase grows
 with the context; ``other`` = step time outside the cache's phases: MLPs, projections, LM head). Writes
 ``bench_decode.json`` as ``{method: {length: {"tt2t_s", "tpot_s", "tpot_p50_s", "breakdown": {...}}}, "summary": {...},
-"environment": {...}}``. Every cell names the code and configuration it measured (:func:`evals.results.row_provenance`:
+"environment": {...}}``. Every cell names the code and configuration it measured (:func:`evals.output.results.row_provenance`:
 ``commit``, ``dirty`` and ``method_config``, every init field of the method as constructed, presets resolved), as
 cells of one file may come from several commits (``--resume``); ``environment`` names the writing process's.
 
@@ -63,14 +63,14 @@ from pathlib import Path
 import torch
 
 from evals.harness import REPO_ROOT
-from evals.latency import FILLER, Latency
+from evals.tasks.latency import FILLER, Latency
 from evals.registry import METHODS, make_method
-from evals.results import git_state, row_provenance
+from evals.output.results import git_state, row_provenance
 from evals.runner import generate
-from evals.timing import environment, omp_wait_record, tpot_stats
+from evals.output.timing import environment, omp_wait_record, tpot_stats
+from evals.models import load_model, load_tokenizer, resolve_dtype, tiny_config
 from icecache.hardware import cpu_info
 from icecache.kv.timing import PHASES
-from icecache.models import load_model, load_tokenizer, resolve_dtype, tiny_config
 
 TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the median per-token interval
 
@@ -85,7 +85,7 @@ OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin; wha
 
 
 def llama_8b_random(device: str):
-    """The Llama-3.1-8B-shaped random model in bf16 (``icecache.models``, model ``llama-8b-random``)."""
+    """The Llama-3.1-8B-shaped random model in bf16 (``evals.models``, model ``llama-8b-random``)."""
     return load_model("llama-8b-random", dtype="bfloat16", device=device)
 
 
@@ -142,7 +142,7 @@ def latency_suite(tokenizer, args, lengths) -> Latency:
 
 
 def prompts(tokenizer, args, lengths) -> dict[int, list[int]]:
-    """The same natural text cut to each length (evals.latency)."""
+    """The same natural text cut to each length (evals.tasks.latency)."""
     return {s.meta["length"]: s.prompt_ids for s in latency_suite(tokenizer, args, lengths).samples()}
 
 

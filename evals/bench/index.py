@@ -26,7 +26,7 @@ top-``B`` set chosen at each filter layer from that layer's attention and reused
 not measurable from decode-only captures (their scores need the attention of the prompt's queries),
 nor is MagicPIG (a sampling estimator of the attention, not a token subset).
 
-The output names the code and configurations measured: ``commit`` and ``dirty`` (:func:`evals.results.git_state`)
+The output names the code and configurations measured: ``commit`` and ``dirty`` (:func:`evals.output.results.git_state`)
 and ``method_configs`` (:func:`method_configs`).
 """
 
@@ -51,16 +51,20 @@ from icecache.kv.storage import sinks_and_recent
 from baselines.pqcache import PQCache
 from baselines.quest import page_min_max, page_upper_bounds
 from baselines.streaming_llm import StreamingLLM
-from evals.results import git_state, method_record
+from evals.output.results import git_state, method_record
+from evals.registry import method_class
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.kv import ModelSpec
 
-PAGE = 16
-# budget in tokens -> (sink pages, window pages, retrieved pages) of the authors' index runs
-# (docs/benchmarks.md, "Index benchmark")
-BUDGETS = {512: (2, 2, 28), 256: (2, 2, 12), 128: (2, 2, 4), 64: (1, 2, 1)}
+PAGE = method_class("icecache").page_size  # IceCache's page size (16 tokens)
 SIZES = (8192, 32768, 131072)
 K_TIMING = 12
+
+
+def budget_pages(budget: int) -> tuple[int, int, int]:
+    """(sink pages, window pages, retrieved pages) of IceCache at ``budget`` tokens (its ``layout``), those of the
+    authors' index runs (docs/benchmarks.md, "Index benchmark"): 512 -> (2, 2, 28), 64 -> (1, 2, 1)."""
+    return method_class("icecache")(budget=budget).layout()
 
 
 # ----------------------------------------------------------------------------- data
@@ -338,7 +342,7 @@ def recall(data: dict, budgets, cfg: DCIConfig) -> dict:
         k64 = keys.double()
         built = {}
         for b in budgets:
-            n_s, n_w, k = BUDGETS[b]
+            n_s, n_w, k = budget_pages(b)
             lo, hi = n_s * PAGE, n - n_w * PAGE
             if (lo, hi) not in built:
                 built[lo, hi] = variants(MDCIIndex.build(keys[:, lo:hi], torch.arange(lo, hi), cfg))
@@ -382,10 +386,10 @@ def machine() -> dict:
 def method_configs(budgets, cfg: DCIConfig) -> dict:
     """The configurations behind the numbers: the M-DCI index's ``DCIConfig`` (the selector variants change
     only what :func:`variants` names) and, per budget, the resolved fields of the baselines run with their own
-    code (:func:`evals.results.method_record`)."""
+    code (:func:`evals.output.results.method_record`)."""
     return {"dci": dataclasses.asdict(cfg),
             **{str(b): {"pqcache": method_record(PQCache(budget=b)), "omnikv": method_record(OmniKV(budget=b)),
-                        "streaming_llm": method_record(StreamingLLM(budget=sum(BUDGETS[b]) * PAGE))}
+                        "streaming_llm": method_record(StreamingLLM(budget=sum(budget_pages(b)) * PAGE))}
                for b in budgets}}
 
 

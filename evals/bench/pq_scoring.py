@@ -19,7 +19,7 @@ import time
 import torch
 
 from baselines.pqcache import PQCache, PQState, group_probs, joint_code_ids, lookup_scores
-from evals.results import git_state, method_record
+from evals.output.results import git_state, method_record
 from icecache.kv import ModelSpec
 
 SMOLLM2 = dict(n_layers=1, n_q_heads=9, n_kv_heads=3, head_dim=64, scaling=64 ** -0.5, max_position=1 << 20)

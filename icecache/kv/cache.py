@@ -241,7 +241,8 @@ def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     if cache is None:
         raise RuntimeError(
             f"this model's attention is routed through '{compat.ATTN_IMPLEMENTATION}', which needs a cache "
-            "from icecache.make_cache(...) passed as past_key_values; call model.set_attn_implementation('sdpa') "
+            "from KVCache.for_model(method, model) (by name: evals.registry.make_cache(...)) passed as "
+            "past_key_values; call model.set_attn_implementation('sdpa') "
             "to use the model without one")
     out = cache.run_attention(module.layer_idx, query[0], key[0], value[0])
     return out.transpose(0, 1)[None].contiguous(), None

@@ -33,7 +33,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .base import DataError, GenerateFn, Sample, Suite
+from ..models import (MODELS, ModelUnavailableError, load_model, load_tokenizer, qwen_coder_checkpoint,
+                      smollm2_gguf_path)
+from ..registry import make_method
+from ..runner import generate
+from ..task import DataError, GenerateFn, Sample, Suite
 
 MAX_NEW_TOKENS = {"short": 16000, "long": 32000}
 OFFICIAL_JUDGE = "llama-3.1-8b-instruct"  # Evalution/eval.py: meta-llama/Meta-Llama-3.1-8B-Instruct
@@ -111,6 +115,9 @@ class LongGenBench(Suite):
         self.path = self.require_file(f"longgenbench/Dataset_{subset}.json")
         if judge_model:
             check_judge(judge_model)
+
+    def judge(self, model, tokenizer, model_name: str, device: str) -> GenerateFn:
+        return make_judge(model, tokenizer, self.judge_model, model_name, device)
 
     def items(self) -> list[dict]:
         """The dataset's items, checked field by field."""
@@ -200,12 +207,27 @@ class LongGenBench(Suite):
                 "n_samples": len(rows)}
 
 
+def make_judge(model, tokenizer, judge_model: str | None, model_name: str, device: str) -> GenerateFn:
+    """The judge: by default the model under test (``model_name``), else the registered model ``judge_model``
+    (loaded on first use); always greedy with the full cache."""
+    loaded = {}
+
+    def judge(text: str, max_new_tokens: int) -> str:
+        if judge_model and judge_model != model_name:
+            if not loaded:
+                loaded["model"] = load_model(judge_model, device=device)
+                loaded["tokenizer"] = load_tokenizer(judge_model)
+            m, tok = loaded["model"], loaded["tokenizer"]
+        else:
+            m, tok = model, tokenizer
+        return generate(m, tok, make_method("full"), tok(text)["input_ids"], max_new_tokens).text
+    return judge
+
+
 def check_judge(name: str) -> None:
     """Fails early, with what to do, when the judge model is unknown or its weights are not on this machine
     (a hub model must be in the local Hugging Face cache: the judge is loaded by name, without a path)."""
     from huggingface_hub import try_to_load_from_cache
-
-    from icecache.models import MODELS, ModelUnavailableError, qwen_coder_checkpoint, smollm2_gguf_path
 
     if name not in MODELS:
         raise ValueError(f"longgenbench judge_model '{name}' is not a registered model; valid: {', '.join(MODELS)}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import string
 
+from ...task import GARBAGE
 from .cell import Cell
-from .constants import NOISE, TEMPLATES
+from .constants import TEMPLATES
 
 
 class VariableTracking:
@@ -35,7 +36,7 @@ class VariableTracking:
     def build(self, num_noises: int, is_icl: bool = False) -> tuple[str, list[str]]:
         variables, chains = self.chains(is_icl)
         value = chains[0][0].split("=")[-1].strip()
-        sentences = [NOISE] * num_noises
+        sentences = [GARBAGE] * num_noises
         for chain in chains:
             positions = sorted(self.cell.rng.sample(range(len(sentences)), len(chain)))
             for j, pos in enumerate(positions):

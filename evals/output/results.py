@@ -39,7 +39,7 @@ from pathlib import Path
 NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "limit")
 QUARANTINE = "predictions.quarantine.jsonl"
 RESOLVED = "resolved.json"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAN_PROMPT_TOKENS = 1 << 20  # the prompt length a fractional budget is resolved at before any prompt is known
 METHOD_TOP_LEVEL = ("budget", "debug")  # method fields set by top-level settings (budget: the name; debug: none)
 
@@ -113,8 +113,8 @@ def resolved_method(cfg: dict) -> dict | None:
     """:func:`method_record` of the method a config's ``cache`` group builds at its budget (a fractional budget
     resolved for a :data:`PLAN_PROMPT_TOKENS`-token prompt, as the harness checks it), or None when the group
     cannot build one (a config the harness refuses; it is then identified by its settings as given)."""
-    from .base import resolve_budget
-    from .registry import make_method
+    from ..task import resolve_budget
+    from ..registry import make_method
 
     options = dict(cfg["cache"])
     name = options.pop("name", None)

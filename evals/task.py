@@ -19,6 +19,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
+# The filler sentence of the passkey test (Landmark Attention), also the noise of RULER's haystacks and the
+# latency suite's default text.
+GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
 # A judge/generation callback a suite may use while scoring (LongGenBench's yes/no judge):
 # generate(prompt_text, max_new_tokens) -> generated text.
 GenerateFn = Callable[[str, int], str]
@@ -52,7 +56,7 @@ class NoOptions:
 
 class Suite:
     """Base class. A suite's options are the fields of its ``Options`` dataclass (their defaults are the
-    suite's defaults, and the run config's ``eval`` group is generated from them: :mod:`evals.configs`);
+    suite's defaults, and the run config's ``eval`` group is generated from them: :mod:`evals.config`);
     it is constructed with them as keyword arguments plus the common ones below, which :meth:`configure`
     checks. ``__init__`` must not load anything heavy beyond checking the data."""
 
@@ -87,6 +91,11 @@ class Suite:
     def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
         """Per-sample metric values on a 0-1 (or 0-100, as the suite documents) scale."""
         raise NotImplementedError
+
+    def judge(self, model, tokenizer, model_name: str, device: str) -> GenerateFn | None:
+        """The callback :meth:`score` receives as ``generate`` (LongGenBench's yes/no judge), made once per run
+        from the model under test (``model_name`` on ``device``); None, the default, for suites without one."""
+        return None
 
     def needle_texts(self, sample: Sample) -> list[str]:
         """The needle strings of a needle-in-a-haystack sample (the pass key, RULER's niah values), whose
@@ -167,3 +176,13 @@ def read_jsonl(path: Path, limit: int | None = None) -> Iterator[tuple[int, int,
                 raise DataError(f"{path}, line {lineno}: not valid JSON ({err})") from None
             yield index, lineno, row
             index += 1
+
+
+def chat_text(tokenizer, user: str, system: str | None = None, chat_template_kwargs: dict | None = None) -> str:
+    """The tokenizer's chat template rendered as text for one user turn (after an optional system turn),
+    generation prompt added; ``chat_template_kwargs`` (e.g. ``enable_thinking=False``) reach the template."""
+    messages = [{"role": "user", "content": user}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **dict(chat_template_kwargs or {}))

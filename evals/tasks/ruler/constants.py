@@ -63,6 +63,5 @@ DATA_FILES = {"essay": "pg_essays/PaulGrahamEssays.json", "squad": "squad/dev-v2
               "hotpotqa": "hotpotqa/hotpot_dev_distractor_v1.json", "english_words": "ruler/english_words.json"}
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = list(np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))
 DOCUMENT_PROMPT = "Document {i}:\n{document}"

@@ -10,15 +10,12 @@ import re
 from collections import defaultdict
 from functools import cached_property, lru_cache
 from importlib import resources
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
-from ..base import DataError
+from ...task import DataError, Suite
 from .constants import DATA_FILES
-
-if TYPE_CHECKING:
-    from .suite import Ruler
 
 
 class AdjNounWords:
@@ -69,9 +66,10 @@ def _wonderwords(name: str) -> tuple[str, ...]:
 
 
 class Resources:
-    """Data shared by all cells of one suite, loaded on first use."""
+    """Data shared by all cells of one suite, loaded on first use: the suite gives its ``require_file``,
+    ``data_dir`` and ``seed`` (those of :class:`~evals.task.Suite`)."""
 
-    def __init__(self, suite: "Ruler"):
+    def __init__(self, suite: Suite):
         self.suite = suite
         self._sentences: tuple[int, list[str]] = (-1, [])
 

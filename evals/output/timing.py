@@ -1,5 +1,5 @@
 """Timing of a run: the per-sample timings of ``predictions.jsonl`` pooled into ``timing.json``
-(:class:`evals.schema.Timing`), where the run executed, and which code it ran (:func:`provenance`).
+(:class:`evals.output.schema.Timing`), where the run executed, and which code it ran (:func:`provenance`).
 
 TPOT is one statistic everywhere: ``tpot_s`` is the *mean* per-token interval over tokens 3..N (PQCache's
 definition, :mod:`evals.runner`), ``tpot_p50_s`` the median and ``tpot_p90_s`` the 90th percentile
@@ -16,8 +16,8 @@ import torch
 
 from icecache.hardware import cpu_info
 from icecache.kv.base import MEMORY_KEYS
-from icecache.models import dtype_record, resolve_dtype
 
+from ..models import dtype_record, resolve_dtype
 from .results import git_state
 from .schema import Timing
 
@@ -82,7 +82,7 @@ def code_versions(timings: list[dict]) -> list[str]:
 
 
 def provenance(environment: dict | None = None) -> dict:
-    """Which code ran where: ``commit`` and ``dirty`` of this repository (:func:`evals.results.git_state`;
+    """Which code ran where: ``commit`` and ``dirty`` of this repository (:func:`evals.output.results.git_state`;
     ``"unknown"`` outside a git checkout) and ``environment``, the record ``timing.json`` keeps (library
     versions, CPU model, threads, device and dtype: :func:`run_environment` or :func:`environment`; default:
     the machine and libraries alone)."""

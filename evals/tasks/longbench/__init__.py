@@ -10,7 +10,8 @@ Per sample (``pred.py``):
    ``skip_special_tokens=True`` and concatenate the strings.
 3. The chat wrapper is applied after truncation, except for trec, triviaqa, samsum, lsht, lcc and
    repobench-p. The wrapper is chosen per model (``conf/model/*.yaml`` ``prompt.longbench``; the names are
-   :mod:`evals.templates`), as IceCache's ``IceCache/benchmark/longbench_pred.py`` ``build_chat`` does:
+   :mod:`evals.tasks.longbench.templates`), as IceCache's ``IceCache/benchmark/longbench_pred.py``
+   ``build_chat`` does:
    ``template`` = the tokenizer's chat template with an optional system turn and ``chat_template_kwargs``
    (Llama-3.1: PQCache's/IceCache's system "You are a helpful assistant."; the rendered text is tokenized
    again with special tokens, which reproduces their double BOS, ``chat_add_special_tokens: false`` turns that
@@ -24,7 +25,7 @@ Per sample (``pred.py``):
    Llama-3.1 ``<|end_of_text|>`` and ``<|eom_id|>`` do not end a samsum answer); the other tasks stop at
    every EOS id of the generation config, as ``model.generate`` does.
 
-Scoring (``metrics.py`` and ``eval.py``, :mod:`evals.longbench_metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
+Scoring (``metrics.py`` and ``eval.py``, :mod:`evals.tasks.longbench.metrics`): the first-line rule for trec/triviaqa/samsum/lsht,
 then the task metric maximised over the reference answers; a task's score is ``round(100 * mean, 2)``
 and ``score`` is the unweighted mean of the English task scores (the papers' "Avg.").
 
@@ -42,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .base import DataError, Sample, Suite, read_jsonl
-from .longbench_metrics import score_prediction
-from .templates import LONGBENCH_CHAT_FORMATS, chat_text, inst_prompt, vicuna_prompt
+from ...task import DataError, Sample, Suite, chat_text, read_jsonl
+from .metrics import score_prediction
+from .templates import LONGBENCH_CHAT_FORMATS, inst_prompt, vicuna_prompt
 
 ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                  "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",

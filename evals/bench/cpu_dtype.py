@@ -2,7 +2,7 @@
 side by side in one process (interleaved repeats, medians), for the ``model.dtype=auto`` CPU choice
 (icecache/hardware.py). Prints the CPU model, its native-bf16 flags and the bf16 / fp32 time ratios.
 
-    python scripts/cpu_dtype_bench.py [--prompt 1024] [--new-tokens 16] [--repeats 3] [--threads N]
+    python -m evals.bench.cpu_dtype [--prompt 1024] [--new-tokens 16] [--repeats 3] [--threads N]
 """
 from __future__ import annotations
 
@@ -10,17 +10,14 @@ import argparse
 import os
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evals.registry import make_method  # noqa: E402
-from evals.runner import generate  # noqa: E402
-from icecache import hardware  # noqa: E402
-from icecache.models import load_model  # noqa: E402
+from evals.registry import make_method
+from evals.runner import generate
+from evals.models import load_model
+from icecache import hardware
 
 
 def gemm_seconds(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .base import DataError, Sample, Suite, read_jsonl
+from ..task import DataError, Sample, Suite, read_jsonl
 
 PROTOCOLS = ("pqcache", "lm_eval")
 PQCACHE_SPLIT = "\nQuestion: "

@@ -13,7 +13,8 @@ after the official post-processing; a task score is ``round(100 * mean, 2)``.
 Model template (the official ``scripts/data/template.py`` convention): the model wrapper encloses the task
 template only and the answer prefix follows the wrapper, ``wrapper.format(task_template=...) +
 answer_prefix``, so an instruct model's reply starts inside the prefix. ``model_template`` is chosen per model
-(``conf/model/*.yaml`` ``prompt.ruler``): a name of RULER's own templates (:data:`evals.templates.RULER_TEMPLATES`;
+(``conf/model/*.yaml`` ``prompt.ruler``): a name of RULER's own templates
+(:data:`evals.tasks.ruler.templates.RULER_TEMPLATES`;
 Llama-3.1 ``meta-llama3``, which is not the tokenizer's Llama-3.1 chat template: that one adds a "Cutting
 Knowledge Date / Today Date" system header; Mistral ``meta-chat``; LongChat ``vicuna-chat``), ``chat`` = the
 tokenizer's own chat template (one user turn, generation prompt added, ``chat_template_kwargs`` passed: Qwen3,

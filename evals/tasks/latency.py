@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .base import DataError, Sample, Suite
-from .passkey import GARBAGE
-from .timing import tpot_stats
+from ..task import GARBAGE, DataError, Sample, Suite
+from ..output.timing import tpot_stats
 
 FILLER = "passkey filler"  # the prompt text when no essays are found
 

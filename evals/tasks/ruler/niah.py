@@ -4,8 +4,9 @@ from __future__ import annotations
 import random
 import uuid
 
+from ...task import GARBAGE
 from .cell import Cell
-from .constants import DEPTHS, NEEDLE, NOISE
+from .constants import DEPTHS, NEEDLE
 
 
 class Niah:
@@ -40,7 +41,7 @@ class Niah:
             context = self.essay_context(num_haystack, needles)
         else:
             if self.haystack == "noise":
-                sentences = [NOISE] * num_haystack
+                sentences = [GARBAGE] * num_haystack
             else:
                 sentences = [NEEDLE.format(type_needle_v=self.type_v, key=self.random(self.type_k),
                                            value=self.random(self.type_v)) for _ in range(num_haystack)]

@@ -1,6 +1,6 @@
-"""Figures from a results folder (matplotlib, headless): ``python -m evals.plots results``.
+"""Figures from a results folder (matplotlib, headless): ``python -m evals.output.plots results``.
 
-Writes ``summary.csv`` first (evals/summary.py) and draws from it; the per-length latency curves read the
+Writes ``summary.csv`` first (evals/output/summary.py) and draws from it; the per-length latency curves read the
 latency runs' ``metrics.json`` and the passkey heat maps the passkey runs' ``predictions.jsonl``. PNGs go to
 ``<results_dir>/figures/``, one set per (eval, model):
 

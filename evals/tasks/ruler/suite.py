@@ -10,8 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..base import Sample, Suite
-from ..templates import RULER_TEMPLATES, chat_text, ruler_wrapper
+from ...task import Sample, Suite, chat_text
 from .cell import Cell
 from .common_words import CommonWords
 from .constants import DATA_FILES, GROUPS, TASKS, TEMPLATES
@@ -20,6 +19,7 @@ from .metrics import postprocess, string_match_all, string_match_part
 from .niah import Niah
 from .qa import QA
 from .resources import Resources
+from .templates import RULER_TEMPLATES, ruler_wrapper
 from .variable_tracking import VariableTracking
 
 log = logging.getLogger(__name__)

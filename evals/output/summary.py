@@ -1,4 +1,5 @@
-"""Collects every run directory under a results folder into one table: ``python -m evals.summary results``.
+"""Collects every run directory under a results folder into one table: ``python -m evals.output.summary results``.
+:func:`print_run` is the short form of one run directory, the lines ``run.py`` prints after a run.
 
 Writes ``summary.csv`` (and ``summary.parquet`` when pyarrow is installed) with one row per run:
 eval, model, cache, budget, ``variant``, ``commit`` (the code that wrote the run's rows), headline score,
@@ -29,7 +30,7 @@ Uncertainty (:func:`add_intervals`), per complete run with a quality score, from
 A row's score is its ``scores.score`` (0-1). Each resample redraws the samples with replacement within
 each stratum of the suite's own aggregate, keeping every stratum's size, and recomputes that aggregate
 (:data:`AGGREGATES`), so the point estimate is the suite's score: passkey (and any suite on the default
-:meth:`evals.base.Suite.aggregate`) 100 x the mean over tasks of each task's mean (stratum: task); GSM8K
+:meth:`evals.task.Suite.aggregate`) 100 x the mean over tasks of each task's mean (stratum: task); GSM8K
 100 x the mean over samples (one stratum); LongBench the mean over the English tasks present (the Chinese
 ones when only those ran) of 100 x each task's mean rounded to 2 decimals (stratum: task); RULER the mean
 over tasks of each task's mean over lengths of 100 x the (length, task) cell's mean rounded to 2 decimals
@@ -212,7 +213,7 @@ def _pooled(m: dict) -> np.ndarray:
 
 
 def _longbench(m: dict) -> np.ndarray:
-    from .longbench import CHINESE_TASKS, ENGLISH_TASKS
+    from ..tasks.longbench import CHINESE_TASKS, ENGLISH_TASKS
 
     english = [t for t in ENGLISH_TASKS if t in m]
     chosen = english or [t for t in CHINESE_TASKS if t in m]
@@ -401,6 +402,18 @@ def write_summary(results_dir: str | Path, frame: pd.DataFrame | None = None) ->
     except ImportError:
         pass
     return out
+
+
+def print_run(run_dir: Path) -> None:
+    metrics, timing = read_results(run_dir)
+    ms = lambda s: "-" if s is None else f"{1000 * s:.1f} ms"  # noqa: E731
+    score = metrics.get("score")
+    print(f"{metrics.get('score_name', 'score')} {'-' if score is None else f'{score:.1f}'} "
+          f"({metrics.get('n_samples', '?')} samples)  " +
+          "  ".join(f"{t} {v:.1f}" for t, v in metrics.get("tasks", {}).items()))
+    print(f"TTFT {ms(timing['ttft_s'])}  TT2T {ms(timing['tt2t_s'])}  TPOT {ms(timing['tpot_s'])} "
+          f"(p50 {ms(timing['tpot_p50_s'])}, p90 {ms(timing['tpot_p90_s'])})  " +
+          "  ".join(f"{k} {ms(v)}" for k, v in timing.get("breakdown", {}).items()))
 
 
 def main(argv=None) -> None:

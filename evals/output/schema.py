@@ -10,7 +10,7 @@ from typing import TypedDict
 
 
 class Metrics(TypedDict, total=False):
-    """``metrics.json``: :meth:`evals.base.Suite.aggregate` of the rows, plus the suite's version."""
+    """``metrics.json``: :meth:`evals.task.Suite.aggregate` of the rows, plus the suite's version."""
 
     score: float | None  # the headline, 0-100 (or the number named by score_name)
     score_name: str  # absent: "score"; the latency suite's headline is "tpot_ms"
@@ -21,7 +21,7 @@ class Metrics(TypedDict, total=False):
 
 
 class Timing(TypedDict):
-    """``timing.json``: the samples' timings pooled by :func:`evals.timing.pool_timing`."""
+    """``timing.json``: the samples' timings pooled by :func:`evals.output.timing.pool_timing`."""
 
     n_samples: int
     ttft_s: float | None  # mean over samples

@@ -50,11 +50,10 @@ from typing import Iterator
 
 import numpy as np
 
-from .base import Sample, Suite
+from ..task import GARBAGE, Sample, Suite
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
-GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = "What is the pass key? The pass key is"
 QUEST_TAIL_CHARS = 400  # Quest test_model: q_length = 400
 DEPTH_GRIDS = ("linear", "quest")
