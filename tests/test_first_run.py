@@ -17,7 +17,7 @@ from helpers import build_tiny
 
 from evals import runner
 from evals.registry import make_method
-from icecache import models
+from evals import models
 from icecache.kv import compat
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ def test_missing_cpuinfo_falls_back_to_fp32(tmp_path):
 
 
 def test_model_dtype_auto_is_bf16_on_cuda_and_the_cpu_rule_elsewhere(monkeypatch):
-    from icecache import models
+    from evals import models
 
     assert models.resolve_dtype("auto", "cuda") is torch.bfloat16
     assert models.resolve_dtype("auto", "cuda:1") is torch.bfloat16
@@ -56,7 +56,7 @@ def test_default_model_config_resolves_to_this_cpus_rule():
 
     import yaml
 
-    from icecache import models
+    from evals import models
 
     conf = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "model" / "smollm2-135m.yaml").read_text())
     assert conf["dtype"] == "auto"
@@ -65,7 +65,7 @@ def test_default_model_config_resolves_to_this_cpus_rule():
 
 
 def test_llama_8b_random_has_the_llama_3_1_8b_shape():
-    from icecache import models
+    from evals import models
 
     cfg = models.llama_8b_config()
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 from helpers import generate_reference, generate_with, natural_prompt_ids
 
-from icecache import models
+from evals import models
 from evals.models import ModelUnavailableError
 
 
