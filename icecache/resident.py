@@ -227,9 +227,9 @@ class ResidentBuffer:
         _positions(page_abs, heads, pages, slots, n, self.slot_tokens, positions)
         d = self.k.shape[2]
         if self.on_host and store.device.type == "cpu":
-            ok = _load_host(raw_numpy(store.k_data), raw_numpy(store.v_data), store.base_pos, store.first_pos,
-                            store.end_pos, positions, heads, slots, n, self.offset, raw_numpy(self.k),
-                            raw_numpy(self.v))
+            k_data, v_data = store.host_buffers()
+            ok = _load_host(raw_numpy(k_data), raw_numpy(v_data), store.base_pos, store.first_pos, store.end_pos,
+                            positions, heads, slots, n, self.offset, raw_numpy(self.k), raw_numpy(self.v))
             if not ok:
                 used = positions[positions >= 0]
                 raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "

@@ -9,6 +9,7 @@ import torch
 from baselines.arkvale import ArkVale, page_digests, page_scores
 from icecache.kv import BudgetError, LayerState
 from icecache.kv.base import ModelSpec
+from icecache.kv.timing import PhaseTimer
 
 
 def spec(h_kv=2, h_q=4, d=8):
@@ -73,8 +74,7 @@ def build(budget=32, page_size=4, prompt=48, seed=0, **hp):
     st = method.new_sequence().layers[0]
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, prompt, 8, generator=g), torch.randn(2, prompt, 8, generator=g)
-    st.n_seen = prompt
-    method.prefill(st, torch.randn(4, prompt, 8, generator=g), k, v)
+    method.fill(st, k, v, torch.randn(4, prompt, 8, generator=g))
     return method, st, k, v
 
 
@@ -106,21 +106,20 @@ def test_selected_page_is_recalled_into_the_lowest_scored_resident_slot():
     missing = next(p for p in range(2, 10) if st.page_slot[p] < 0)
     q = torch.zeros(4, 1, 8)
     q[:, 0] = st.centre[:, missing].repeat_interleave(2, 0) * 100  # scores `missing` far above the rest
+    before = st.slot_page.copy()
+    assert list(before[6:]) == [10, 11]  # the window pages
     new_k, new_v = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
-    st.n_seen += 1  # token 48 starts page 12: the window rotates, page 10 leaves slot 6 for the host
-    method.append(st, new_k, new_v)
+    # token 48 starts page 12: the window rotates, page 10 leaves slot 6 for the host
+    method.step(st, q, new_k, new_v, PhaseTimer())
     k, v = torch.cat([k, new_k], 1), torch.cat([v, new_v], 1)
     assert st.page_slot[10] < 0 and st.slot_page[6] == 11 and st.slot_page[7] == 12 and st.evictions == 1
-    scores = page_scores(q[:, 0], st.centre, st.radius)
-    before = st.slot_page.copy()
-    middle = before[2:6]
-    selected = method.select(st, q)
+    scores = page_scores(q[:, 0], st.centre, st.radius)  # the step's digests: recalling a page changes none
+    selected = method.select(st, q)  # the step's selection (select only reads the digests)
     assert len(selected) == method.topk_of(8) == 1 and selected[0] == missing
-    victim_slot = 2 + int(np.argmin(scores[middle].numpy()))
-    method.fetch(st, selected)
+    victim_slot = 2 + int(np.argmin(scores[before[2:6]].numpy()))
     assert st.slot_page[victim_slot] == missing and st.page_slot[before[victim_slot]] == -1
-    assert [p for s, p in enumerate(st.slot_page) if s != victim_slot] == [p for s, p in enumerate(before)
-                                                                           if s != victim_slot]
+    kept = [s for s in range(6) if s != victim_slot]  # sinks and scored slots other than the victim's: unchanged
+    assert st.slot_page[kept].tolist() == before[kept].tolist()
     assert st.recalls == 1 and st.bytes_moved == 2 * 2 * 4 * 8 * 4
     check_slots(method, st, k, v)
     method.fetch(st, method.select(st, q))  # selected and resident now: nothing moves
@@ -131,18 +130,19 @@ def test_selected_page_is_recalled_into_the_lowest_scored_resident_slot():
 def test_decode_bookkeeping_holds_over_many_steps(prompt):
     method, st, k, v = build(budget=48, page_topks=5, prompt=prompt)  # 12 slots, top 5 - 2 - 1 = 2 per step
     g = torch.Generator().manual_seed(1)
+    timer = PhaseTimer()
     for _ in range(88 - prompt):
         new_k, new_v = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)
-        st.n_seen += 1
-        method.append(st, new_k, new_v)
+        q = torch.randn(4, 1, 8, generator=g)
+        method.step(st, q, new_k, new_v, timer)
         k, v = torch.cat([k, new_k], 1), torch.cat([v, new_v], 1)
-        selected = method.select(st, torch.randn(4, 1, 8, generator=g))
-        fetched = method.fetch(st, selected)
+        selected = method.select(st, q)  # the step's selection (select only reads the digests)
+        # what the step attended is st.k (ArkVale fetches the used slots as they are)
         if st.n_seen <= 48:  # the context fits: every token attended, in order, no selection
-            assert selected is None and torch.equal(fetched.k, k)
+            assert selected is None and torch.equal(st.k, k)
             continue
         assert (st.page_slot[selected] >= 0).all()  # every selected page is resident after the step
-        assert fetched.k.shape[1] == 11 * 4 + (st.n_seen - 1) % 4 + 1  # the attended rows: every resident one
+        assert st.k.shape[1] == 11 * 4 + (st.n_seen - 1) % 4 + 1  # the attended rows: every resident one
         check_slots(method, st, k, v)
     assert st.recalls > 0 and st.evictions == 10
 

@@ -21,15 +21,12 @@ def prefill(method, q, k, v):
     method.bind(ModelSpec(n_layers=1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0], head_dim=q.shape[-1],
                           scaling=1.0, max_position=4096))
     st = method.new_sequence().layers[0]
-    st.n_seen = k.shape[1]
-    out = method.prefill(st, q, k, v)
-    method.finish_prefill(st)
+    out = method.fill(st, k, v, q)
     return st, out
 
 
 def decode(method, st, q, k, v):
-    st.n_seen += 1
-    return method.decode(st, q, k, v, PhaseTimer())
+    return method.step(st, q, k, v, PhaseTimer())
 
 
 def eager_attention(q, k, v, scaling=1.0):

@@ -140,7 +140,10 @@ def _extreme_unused_centroid_layer(method: pq.PQCache, n: int = 60):
     nats above every used one, whose logits stay within a few nats (no ties, no underflow per token)."""
     gen = torch.Generator().manual_seed(7)
     spec, c, half = method.spec, 2 ** method.n_bits, method.spec.head_dim // 2
-    st = pq.PQState(0)
+    st = method.new_sequence().layers[0]
+    zeros = torch.zeros(spec.n_kv_heads, method.n_sink + n + method.recent, spec.head_dim)
+    method.fill(st, zeros, zeros)  # resident: the sinks and the recent window; n candidates between them
+    method.await_background(st)  # the codebook of the prompt, replaced below
     st.centroids = torch.randn(spec.n_kv_heads, 2, c, half, generator=gen)
     direction = torch.nn.functional.normalize(st.centroids[:, 0, 0], dim=-1)
     st.centroids[:, 0, 0] = 400 * direction
@@ -149,8 +152,6 @@ def _extreme_unused_centroid_layer(method: pq.PQCache, n: int = 60):
     ids = torch.stack([c + torch.randperm(c * c - c, generator=gen)[:n] for _ in range(spec.n_kv_heads)])
     st.codes = torch.stack([ids // c, ids % c], dim=-1)  # sub-vector 0 never takes code 0
     st.code_ids = pq.joint_code_ids(st.codes, c)
-    st.k = torch.zeros(spec.n_kv_heads, method.n_sink + method.recent, spec.head_dim)
-    st.n_seen = n + st.k.shape[1]
     return st, q
 
 
@@ -356,6 +357,21 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
     cache.close()
 
 
+def fill_looking(method, st, k, v, q, look) -> None:
+    """``method.fill(st, k, v, q)``, calling ``look(st)`` between the layer's prefill and its ``finish_prefill``."""
+    finish = method.finish_prefill
+
+    def looked(state):
+        look(state)
+        finish(state)
+
+    method.finish_prefill = looked
+    try:
+        method.fill(st, k, v, q)
+    finally:
+        del method.finish_prefill
+
+
 # ---------------------------------------------------------------------------------------- MagicPIG
 def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
     """Once a sparse layer's prompt K/V are in the offload store, no tensor of its state may
@@ -370,23 +386,22 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
     g = torch.Generator().manual_seed(0)
     n = 500
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
-    for st in states:
-        st.n_seen = n
-        method.prefill(st, q, k, v)
-    sparse = states[1]
-    prefill_buffers = [weakref.ref(sparse.buffers[name]) for name in ("k", "v", "pos")]
-    prefill_k_memory = sparse.buffers["k"].untyped_storage().data_ptr()
-    for st in states:
-        method.finish_prefill(st)
-    assert sparse.store_k.untyped_storage().data_ptr() == prefill_k_memory  # on CPU the store is that memory: no copy
+    sparse, prefill = states[1], {}
+
+    def look(st):  # the sparse layer's prefill buffers, before finish_prefill moves its K/V to the store
+        prefill["buffers"] = [weakref.ref(st.buffers[name]) for name in ("k", "v", "pos")]
+        prefill["k_memory"] = st.buffers["k"].untyped_storage().data_ptr()
+
+    method.fill(states[0], k, v, q)
+    fill_looking(method, sparse, k, v, q, look)
+    assert sparse.store_k.untyped_storage().data_ptr() == prefill["k_memory"]  # on CPU: that memory, no copy
     gc.collect()
-    assert all(ref() is None for ref in prefill_buffers), "the sparse layer's prefill buffer is still alive"
+    assert all(ref() is None for ref in prefill["buffers"]), "the sparse layer's prefill buffer is still alive"
     prompt_bytes = 2 * n * 8 * 4
     for _ in range(3):
         q1, k1, v1 = (torch.randn(h, 1, 8, generator=g) for h in (4, 2, 2))
         for st in states:
-            st.n_seen += 1
-            method.decode(st, q1, k1, v1, PhaseTimer())
+            method.step(st, q1, k1, v1, PhaseTimer())
     device_tensors = [sparse.k, sparse.v, *sparse.buffers.values()]
     assert all(t.untyped_storage().nbytes() < prompt_bytes / 4 for t in device_tensors)
     assert sparse.k.shape[1] == 3 and torch.equal(sparse.pos, torch.arange(n, n + 3))
@@ -404,15 +419,13 @@ def test_magicpig_store_is_the_prefill_memory_and_decoding_never_writes_into_it(
     g = torch.Generator().manual_seed(0)
     n = 200
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
-    st.n_seen = n
-    method.prefill(st, q, k, v)
-    prefill_memory = [st.buffers[name].untyped_storage().data_ptr() for name in ("k", "v")]
-    method.finish_prefill(st)
+    prefill_memory = []
+    fill_looking(method, st, k, v, q,
+                 lambda st: prefill_memory.extend(st.buffers[name].untyped_storage().data_ptr() for name in ("k", "v")))
     assert [t.untyped_storage().data_ptr() for t in (st.store_k, st.store_v)] == prefill_memory
     for _ in range(5):
         q1, k1, v1 = (torch.randn(h, 1, 8, generator=g) for h in (4, 2, 2))
-        st.n_seen += 1
-        method.decode(st, q1, k1, v1, PhaseTimer())
+        method.step(st, q1, k1, v1, PhaseTimer())
     assert torch.equal(st.store_k, k[:, 4:n - 6]) and torch.equal(st.store_v, v[:, 4:n - 6])
     assert torch.equal(st.pos, torch.cat([torch.arange(4), torch.arange(n - 6, n + 5)]))
     assert st.k.untyped_storage().data_ptr() not in prefill_memory

@@ -22,15 +22,12 @@ def bind_and_prefill(method, q, k, v, layer_idx=0, scaling=0.5):
     method.bind(ModelSpec(n_layers=layer_idx + 1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0],
                           head_dim=q.shape[-1], scaling=scaling, max_position=4096))
     st = method.new_sequence().layers[layer_idx]
-    st.n_seen = k.shape[1]
-    method.prefill(st, q, k, v)
-    method.finish_prefill(st)
+    method.fill(st, k, v, q)
     return st
 
 
 def decode(method, st, q, k, v):
-    st.n_seen += 1
-    return method.decode(st, q, k, v, PhaseTimer())
+    return method.step(st, q, k, v, PhaseTimer())
 
 
 def attention_over(q_h, k_sel, v_sel, scaling):

@@ -213,9 +213,7 @@ class Driver:
         self.v = {i: torch.randn(H_KV, prompt, D, generator=self.gen) for i in (2, 3)}
         for i in (2, 3):
             st = self.states[i]
-            st.n_seen = prompt
-            method.prefill(st, torch.randn(H_Q, prompt, D, generator=self.gen), self.k[i], self.v[i])
-            method.finish_prefill(st)
+            method.fill(st, self.k[i], self.v[i], torch.randn(H_Q, prompt, D, generator=self.gen))
 
     def step(self, q: torch.Tensor | None = None, keys: dict | None = None):
         """One decode step of layers 2 and 3; returns ``{layer: (q, out)}``."""
@@ -226,8 +224,7 @@ class Driver:
             k = torch.randn(H_KV, 1, D, generator=self.gen) if keys is None else keys[i]
             v = torch.randn(H_KV, 1, D, generator=self.gen)
             self.k[i], self.v[i] = torch.cat([self.k[i], k], 1), torch.cat([self.v[i], v], 1)
-            st.n_seen += 1
-            outs[i] = self.method.decode(st, q, k, v, self.timer)
+            outs[i] = self.method.step(st, q, k, v, self.timer)
         return q, outs
 
 

@@ -41,14 +41,11 @@ def test_streaming_llm_attends_exactly_sinks_and_recent_tokens():
     st, timer = LayerState(0), PhaseTimer()
     L = 30
     k_all, v_all = torch.randn(2, 50, 8), torch.randn(2, 50, 8)
-    st.n_seen = L
-    method.prefill(st, torch.randn(4, L, 8), k_all[:, :L], v_all[:, :L])
-    method.finish_prefill(st)
+    method.fill(st, k_all[:, :L], v_all[:, :L], torch.randn(4, L, 8))
     assert st.pos.tolist() == [0, 1, 2, 3] + list(range(L - 8, L))
     for t in range(L, 40):
         q = torch.randn(4, 1, 8)
-        st.n_seen += 1
-        out = method.decode(st, q, k_all[:, t:t + 1], v_all[:, t:t + 1], timer)
+        out = method.step(st, q, k_all[:, t:t + 1], v_all[:, t:t + 1], timer)
         # reference: sinks + the budget - n_sink most recent past tokens + the current token
         keep = list(range(n_sink)) + list(range(t - (budget - n_sink), t)) + [t]
         ref = attend(q, k_all[:, keep], v_all[:, keep], spec.scaling)

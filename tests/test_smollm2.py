@@ -78,13 +78,10 @@ def test_smollm2_magicpig_estimator_error_against_exact_attention(smollm2):
             method = MagicPIG(budget=budget, calibrate=True)  # the calibrated variant's K (magicpig_calibrated)
             method.bind(recorder.spec)
             st = method.new_sequence().layers[layer]
-            st.n_seen = n
-            method.prefill(st, q[:, :n], k[:, :n], v[:, :n])
-            method.finish_prefill(st)
+            method.fill(st, k[:, :n], v[:, :n], q[:, :n])
             err, exact_part_err = 0.0, 0.0
             for t in range(n, n + 8):
-                st.n_seen += 1
-                out = method.decode(st, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], PhaseTimer())
+                out = method.step(st, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], PhaseTimer())
                 exact = attend(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], recorder.spec.scaling)
                 kept = torch.cat([torch.arange(method.n_sink), torch.arange(n - method.local, t + 1)])
                 part = attend(q[:, t:t + 1], k[:, kept], v[:, kept], recorder.spec.scaling)

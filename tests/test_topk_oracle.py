@@ -156,8 +156,7 @@ def test_offline_and_live_topk_agree_on_the_last_prompt_key():
     offline_method = TopKOracle(budget=budget)
     offline_method.bind(spec(1))
     st = offline_method.new_sequence().layers[0]
-    st.n_seen = n
-    offline_method.store(st, keys, values)
+    offline_method.fill(st, keys, values)
     offline = attended_mask(offline_method, st, q[:, None], n)
     live_prompt = [sorted(int(p) for p in row if p < n) for row in live]
     assert [torch.nonzero(row).flatten().tolist() for row in offline] == live_prompt

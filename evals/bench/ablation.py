@@ -314,9 +314,7 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
         seq, states = method.new_sequence(), {}
         for layer, keys in zip(data["layers"], data["keys"]):
             st = states[layer] = seq.layers[layer]
-            st.n_seen = keys.shape[1]
-            method.store(st, keys.float(), keys.float())
-            method.finish_prefill(st)
+            method.fill(st, keys.float(), keys.float())
         for st in states.values():
             method.await_background(st)
         values = []

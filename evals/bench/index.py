@@ -296,9 +296,7 @@ def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget:
     method.bind(spec)
     seq = method.new_sequence()
     st = seq.layers[layer]
-    st.k = st.v = keys
-    st.pos, st.n_seen = torch.arange(keys.shape[1]), keys.shape[1]
-    method.finish_prefill(st)  # keeps sinks + recent window in st.pos, trains the codebooks
+    method.fill(st, keys, keys)  # keeps sinks + recent window in st.pos, trains the codebooks
     method.await_background(st)
     seq.close()
     resident = torch.zeros(keys.shape[:2], dtype=torch.bool)

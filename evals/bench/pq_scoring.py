@@ -26,16 +26,18 @@ SMOLLM2 = dict(n_layers=1, n_q_heads=9, n_kv_heads=3, head_dim=64, scaling=64 **
 
 
 def layer_state(method: PQCache, length: int, generator: torch.Generator) -> PQState:
-    """A decoding layer with ``length`` coded candidates between its sinks and its recent window."""
+    """A decoding layer with ``length`` coded candidates between its sinks and its recent window: a prefill of
+    zero K/V (its k-means stops at the first iteration), then random codebooks and codes."""
     spec, c = method.spec, 2 ** method.n_bits
-    st = PQState(0)
+    resident = method.n_sink + method.recent
+    st = method.new_sequence().layers[0]
+    zeros = torch.zeros(spec.n_kv_heads, length + resident, spec.head_dim)
+    method.fill(st, zeros, zeros)
+    method.await_background(st)
     st.centroids = torch.randn(spec.n_kv_heads, method.n_subvec, c, spec.head_dim // method.n_subvec,
                                generator=generator)
     st.codes = torch.randint(0, c, (spec.n_kv_heads, length, method.n_subvec), generator=generator)
     st.code_ids = joint_code_ids(st.codes, c)
-    resident = method.n_sink + method.recent
-    st.k = torch.zeros(spec.n_kv_heads, resident, spec.head_dim)
-    st.n_seen = length + resident
     return st
 
 

@@ -192,6 +192,28 @@ class KVMethod:
         st.buffers["v"], st.v = append_to_buffer(st.buffers.get("v"), st.v, v)
         st.buffers["pos"], st.pos = append_to_buffer(st.buffers.get("pos"), st.pos, pos, dim=0)
 
+    # ------------------------------------------------------------------ feeding a layer
+    def fill(self, st: LayerState, k: torch.Tensor, v: torch.Tensor,
+             q: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One layer's whole prefill from its K/V ``[H_kv, n, d]``: the logical length grows by ``n``, then
+        :meth:`store` (``q`` None; returns None) or :meth:`prefill` on the queries ``q`` (returns its attention
+        output), then :meth:`finish_prefill`. What :class:`~icecache.kv.KVCache` does per layer at a prefill."""
+        st.n_seen += k.shape[1]
+        out = None
+        if q is None:
+            self.store(st, k, v)
+        else:
+            out = self.prefill(st, q, k, v)
+        self.finish_prefill(st)
+        return out
+
+    def step(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             timer: PhaseTimer) -> torch.Tensor:
+        """One decode step of one layer: the logical length grows by the new tokens, then :meth:`decode`.
+        What :class:`~icecache.kv.KVCache` does per layer and token when decoding."""
+        st.n_seen += q.shape[1]
+        return self.decode(st, q, k, v, timer)
+
     # ------------------------------------------------------------------ background work
     def submit_background(self, st: LayerState, fn, *args) -> None:
         """Runs ``fn(*args)`` on the sequence's single background worker (the prefill pipeline)."""

@@ -147,18 +147,14 @@ class KVCache(compat.Cache):
         if self.phase == "prefill":
             if self.probe is not None:
                 self.probe.keep(layer_idx, k, v)
-            st.n_seen += q.shape[1]
-            out = method.prefill(st, q, k, v)
-            method.finish_prefill(st)
-            return out
+            return method.fill(st, k, v, q)
         if self.phase != "decode":
             raise RuntimeError("attention called before begin_prefill()")
         outs = []
         for i in range(q.shape[1]):
             if self.probe is not None:
                 self.probe.keep(layer_idx, k[:, i:i + 1], v[:, i:i + 1])
-            st.n_seen += 1
-            outs.append(method.decode(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer))
+            outs.append(method.step(st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], self.timer))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def replay_prefill(self, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -178,12 +174,7 @@ class KVCache(compat.Cache):
         for i, (st, (k, v)) in enumerate(zip(self.states, kv)):
             if self.probe is not None:
                 self.probe.keep(st.layer_idx, k, v)
-            st.n_seen += k.shape[1]
-            if last_queries is None:
-                method.store(st, k, v)
-            else:
-                method.prefill(st, last_queries[i], k, v)
-            method.finish_prefill(st)
+            method.fill(st, k, v, None if last_queries is None else last_queries[i])
 
     # ------------------------------------------------------------------ reporting
     def effective_tokens(self) -> list[float | None]:

@@ -210,6 +210,11 @@ class HostKV:
         """``[H, n, d]`` view of the stored values."""
         return self.v_data[:, self.first_pos - self.base_pos: self.end_pos - self.base_pos]
 
+    def host_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole host buffers ``k_data, v_data: [H, capacity, d]``, for code that reads rows by position: row
+        ``r`` holds position ``base_pos + r``, the stored ones are ``first_pos .. end_pos - 1``."""
+        return self.k_data, self.v_data
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores ``k, v: [H, m, d]`` (host or device) at the next ``m`` positions. A device source is copied
         asynchronously into pinned memory (ordered on the current stream: a later blocking device-to-host
