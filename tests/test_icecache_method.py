@@ -507,9 +507,9 @@ def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
     """Guard on the tuned variant's small-budget choices: 2 lengths x 2 depths x 2 seeds (not the seeds it was
     chosen on) at budget 64; ``icecache_tuned`` must answer every pass key the full cache answers (the official
     configuration's one retrieved 16-token page misses some: docs/official.md). Each prompt is prefilled once
-    and replayed into both caches (evals.bench.ablation.Prefilled; a test there checks replay = live)."""
+    and replayed into both caches (evals.prefill_cache.Prefill; tests/test_prefill_cache.py checks replay = live)."""
     _smollm2_or_skip()
-    from evals.bench.ablation import Prefilled
+    from evals.prefill_cache import Prefill
     from evals.tasks.passkey import Passkey
     from evals.runner import generate
     from evals.models import load_model, load_tokenizer
@@ -518,7 +518,7 @@ def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
     for seed in (3, 11):
         suite = Passkey(tokenizer, lengths=[2048, 4096], depths=[0.35, 0.85], seed=seed)
         for sample in suite.samples():
-            prefilled = Prefilled.capture(model, sample.prompt_ids)
+            prefilled = Prefill.capture(model, sample.prompt_ids)
             answers = {name: generate(model, tokenizer, make_method(name, **hp), sample.prompt_ids,
                                       sample.max_new_tokens, prefilled=prefilled).text
                        for name, hp in (("full", {}), ("icecache_tuned", {"budget": 64, "debug": True}))}

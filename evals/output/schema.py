@@ -102,9 +102,17 @@ def score_columns(metrics: Metrics) -> dict:
 
 
 def timing_columns(timing: Timing) -> dict:
-    """:data:`TIMING_SCALARS`, ``breakdown/<phase>`` and the mean effective tokens over layers."""
+    """:data:`TIMING_SCALARS`, ``breakdown/<phase>``, the mean effective tokens over layers and, per
+    ``method_stats`` entry (e.g. IceCache's ``search_scored_fraction``), ``stat/<name>``: its mean over the
+    layers that report it."""
     out = {key: timing.get(key) for key in TIMING_SCALARS}
     out.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
-    effective = [v for v in timing.get("effective_tokens_per_layer", []) if v is not None]
-    out["effective_tokens_mean"] = sum(effective) / len(effective) if effective else None
+    out["effective_tokens_mean"] = _layer_mean(timing.get("effective_tokens_per_layer", []))
+    out.update({f"stat/{name}": _layer_mean(values) for name, values in timing.get("method_stats", {}).items()})
     return out
+
+
+def _layer_mean(values: list) -> float | None:
+    """Mean of the per-layer values that are not None (None when no layer has one)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None

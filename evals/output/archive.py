@@ -1,0 +1,60 @@
+"""Copies finished run directories into a folder meant to be committed: ``python -m evals.output.archive SRC DST``.
+
+Every complete run directory under ``SRC`` (one with ``metrics.json``) is copied to the same relative path under
+``DST`` with its ``config.yaml``, ``config_hash``, ``resolved.json``, ``metrics.json``, ``timing.json`` and
+``recall.json``; its ``predictions.jsonl`` keeps every field of every row but the per-sample ``timing`` block
+(the run-level ``timing.json`` keeps the timing summary), which is most of the file's size. The archived
+folder reads like any results folder: ``python -m evals.output.summary DST`` and
+``python -m evals.output.tables DST`` give the same scores and intervals as on ``SRC``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from .results import load_predictions
+
+KEPT_FILES = ("config.yaml", "config_hash", "resolved.json", "metrics.json", "timing.json", "recall.json")
+DROPPED_ROW_FIELDS = ("timing",)
+
+
+def archive_run(run_dir: Path, target: Path) -> None:
+    """Copies one run directory (see the module docstring) to ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in KEPT_FILES:
+        if (run_dir / name).exists():
+            shutil.copyfile(run_dir / name, target / name)
+    rows = load_predictions(run_dir / "predictions.jsonl")
+    with open(target / "predictions.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps({k: v for k, v in row.items() if k not in DROPPED_ROW_FIELDS}) + "\n")
+
+
+def archive(source: Path, destination: Path) -> list[Path]:
+    """Archives every complete run directory under ``source``; returns the directories written."""
+    written = []
+    for stamp in sorted(source.rglob("metrics.json")):
+        run_dir = stamp.parent
+        target = destination / run_dir.relative_to(source)
+        archive_run(run_dir, target)
+        written.append(target)
+    return written
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path)
+    parser.add_argument("destination", type=Path)
+    args = parser.parse_args(argv)
+    if not args.source.is_dir():
+        print(f"error: {args.source} is not a folder of run directories", file=sys.stderr)
+        sys.exit(2)
+    written = archive(args.source, args.destination)
+    print(f"{len(written)} run directories archived under {args.destination}")
+
+
+if __name__ == "__main__":
+    main()

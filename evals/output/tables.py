@@ -1,0 +1,163 @@
+"""Markdown tables of a results folder, one per experiment cell: ``python -m evals.output.tables DIR``.
+
+Reads every run directory under ``DIR`` through :func:`evals.output.summary.collect` (so the scores, the 95%
+bootstrap intervals and the paired differences to the full cache are the summary's) and prints, for each
+cell -- the runs of one eval and model sharing every setting but the method and the budget (``eval.lengths``,
+``seed``...) -- one table: a row per method (its name and any ``cache.*`` setting that differs), a column per
+budget, each entry ``score [low, high]`` with the difference to full and its interval below it in
+parentheses. After each table, the samples each run missed (ids and their score), IceCache's search
+statistics where a run records them (``stat/search_scored_fraction``: the mean fraction of the indexed keys
+a search scored; ``stat/search_nodes_expanded``), and the ``diagnostics=recall`` attention-mass recall on the
+common layer set where the runs were probed. Nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .results import load_predictions
+from .summary import collect, read_config, settings
+
+DIFF_SIGNIFICANT = "*"  # marks a difference to full whose interval excludes 0
+TITLE_SETTINGS = ("lengths", "depths", "num_samples", "tasks")  # eval settings named in a cell's title
+CELL_IGNORED = ("diagnostics.name", "diagnostics.every")  # a probe reads only; it does not split a cell
+
+
+def _fmt(x, digits: int = 0) -> str:
+    return "-" if x is None or pd.isna(x) else f"{x:.{digits}f}"
+
+
+def _setting(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def method_label(row: pd.Series, cache_columns: list[str]) -> str:
+    """The method's name and the ``cache.*`` settings it was run with (e.g. ``topk[n_dense_layers=2]``)."""
+    extra = [f"{c.split('.', 1)[1]}={_setting(row[c])}" for c in cache_columns if not pd.isna(row[c])]
+    return f"{row['cache']}[{', '.join(extra)}]" if extra else str(row["cache"])
+
+
+def score_entry(row: pd.Series) -> str:
+    """``score [low, high]`` and, for a method other than full, ``(diff [low, high])``."""
+    text = f"{_fmt(row['score'])} [{_fmt(row.get('score_ci_low'))}, {_fmt(row.get('score_ci_high'))}]"
+    if row["cache"] != "full" and not pd.isna(row.get("diff_to_full")):
+        low, high = row.get("diff_ci_low"), row.get("diff_ci_high")
+        mark = DIFF_SIGNIFICANT if not (pd.isna(low) or pd.isna(high)) and (low > 0 or high < 0) else ""
+        text += f" ({row['diff_to_full']:+.0f} [{_fmt(low)}, {_fmt(high)}]{mark})"
+    return text
+
+
+def misses(run_dir: str | Path) -> str:
+    """The samples of a run that did not score 1: their ids (with the score where it is partial), or ``all N``."""
+    rows = load_predictions(Path(run_dir) / "predictions.jsonl")
+    missed = [r for r in rows if r["scores"]["score"] < 1]
+    if missed and len(missed) == len(rows) and all(r["scores"]["score"] == 0 for r in missed):
+        return f"all {len(rows)}"
+    return ", ".join(r["id"] + (f" ({r['scores']['score']:.2f})" if r["scores"]["score"] > 0 else "")
+                     for r in missed)
+
+
+def cells(frame: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
+    """The frame split by every non-method, non-budget setting (``eval``, ``model``, ``eval.*``, ``seed``...)."""
+    keys = ["eval", "model", "seed", *sorted(c for c in frame if c.startswith("eval.") and frame[c].notna().any())]
+    keys = [k for k in keys if k in frame and k not in CELL_IGNORED]
+    out = []
+    for values, group in frame.groupby([frame[k].astype(str) for k in keys], sort=True):
+        out.append((dict(zip(keys, values)), group))
+    return out
+
+
+def with_labels(group: pd.DataFrame) -> pd.DataFrame:
+    """``group`` with a ``method`` column (:func:`method_label`)."""
+    cache_columns = sorted(c for c in group if c.startswith("cache.") and group[c].notna().any())
+    return group.assign(method=group.apply(method_label, axis=1, cache_columns=cache_columns))
+
+
+def cell_table(group: pd.DataFrame) -> str:
+    """One markdown table: a row per method, a column per budget."""
+    budgets = sorted(group["budget"].dropna().unique())
+    order = sorted(group["method"].unique(), key=lambda m: (m != "full", m))
+    lines = ["| method | " + " | ".join(f"budget {int(b)}" for b in budgets) + " |",
+             "| --- |" + " --- |" * len(budgets)]
+    for method in order:
+        rows = group[group["method"] == method]
+        entries = []
+        for b in budgets:
+            at = rows[rows["budget"] == b]
+            if len(at):
+                entries.append(score_entry(at.iloc[0]))
+            elif method == "full" and len(rows):  # the full cache ignores the budget: one run stands for all
+                entries.append(score_entry(rows.iloc[0]) + f" (run at {int(rows.iloc[0]['budget'])})")
+            else:
+                entries.append("")
+        lines.append(f"| {method} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def miss_list(group: pd.DataFrame) -> str:
+    lines = []
+    for _, row in group.sort_values(["method", "budget"]).iterrows():
+        missed = misses(row["run_dir"])
+        if missed:
+            lines.append(f"- {row['method']} at {int(row['budget'])} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
+    return "\n".join(lines) or "- none"
+
+
+def stat_table(group: pd.DataFrame, columns: dict[str, str], digits: int = 3) -> str | None:
+    """``columns`` (frame column -> heading) per method and budget, or None where no run has them."""
+    present = {c: h for c, h in columns.items() if c in group and group[c].notna().any()}
+    if not present:
+        return None
+    rows = group[group[list(present)].notna().any(axis=1)].sort_values(["method", "budget"])
+    lines = ["| method | budget | " + " | ".join(present.values()) + " |", "| --- | --- |" + " --- |" * len(present)]
+    for _, row in rows.iterrows():
+        lines.append(f"| {row['method']} | {int(row['budget'])} | "
+                     + " | ".join(_fmt(row[c], 0 if c in COUNT_COLUMNS else digits) for c in present) + " |")
+    return "\n".join(lines)
+
+
+SEARCH_COLUMNS = {"stat/search_scored_fraction": "scored fraction (mean)",
+                  "stat/search_scored_fraction_max": "max", "stat/search_nodes_expanded": "nodes expanded"}
+RECALL_COLUMNS = {"recall_common_mean": "recall (common layers)", "recall_mean": "recall (own layers)",
+                  "needle_share_mean": "needle share"}
+COUNT_COLUMNS = ("stat/search_nodes_expanded",)
+
+
+def render(results_dir: str | Path, draws: int = 2000) -> str:
+    frame = collect(results_dir, draws)
+    if frame.empty:
+        return f"no run directories under {results_dir}"
+    frame = frame[frame["status"] == "complete"]
+    parts = []
+    for key, group in cells(frame):
+        group = with_labels(group)
+        common = {k: v for k, v in settings(read_config(Path(group["run_dir"].iloc[0]))).items()
+                  if k.startswith("eval.") and k not in key and k.split(".", 1)[1] in TITLE_SETTINGS}
+        title = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in {**key, **common}.items())
+        commits = ", ".join(sorted(group["commit"].dropna().astype(str).str[:7].unique()))
+        parts += [f"### {title}", f"n = {int(group['n'].max())} samples per run; commit {commits}", "",
+                  cell_table(group), "", "Misses:", miss_list(group)]
+        for heading, columns in (("IceCache search", SEARCH_COLUMNS), ("Attention-mass recall", RECALL_COLUMNS)):
+            table = stat_table(group, columns)
+            if table:
+                parts += ["", f"{heading}:", "", table]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results_dir")
+    parser.add_argument("--draws", type=int, default=2000, help="bootstrap resamples per interval")
+    args = parser.parse_args(argv)
+    if not Path(args.results_dir).is_dir():
+        print(f"error: {args.results_dir} is not a folder of run directories", file=sys.stderr)
+        sys.exit(2)
+    print(render(args.results_dir, args.draws))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The markdown tables of a results folder (evals/output/tables.py) and the archive copy of run directories
+(evals/output/archive.py), on crafted run directories whose scores, misses and search statistics are known."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evals.output import archive, results, tables
+from evals.tasks.passkey import Passkey
+
+IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
+
+
+def write_run(root: Path, cache: str, budget: int, scores: list[float], stats: dict | None = None) -> Path:
+    cfg = {"eval": {"name": "passkey", "lengths": [1024], "depths": 5}, "model": {"name": "tiny-llama"},
+           "cache": {"name": cache}, "budget": budget, "seed": 0, "results_dir": str(root)}
+    run_dir = results.run_dir_for(cfg)
+    run = results.RunDir(run_dir, cfg, yaml.safe_dump(cfg))
+    rows = [{"id": i, "task": "passkey_1024", "prediction": "", "reference": "", "scores": {"score": s},
+             "meta": {"length": 1024}, "timing": {"tt2t_s": 1.0}} for i, s in zip(IDS, scores)]
+    for r in rows:
+        run.append(r)
+    results.write_json(run_dir / "metrics.json", Passkey.aggregate(None, rows))
+    results.write_json(run_dir / "timing.json", {"ttft_s": 0.5, "tt2t_s": 0.6, "tpot_s": 0.01,
+                                                 "method_stats": stats or {}})
+    return run_dir
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    root = tmp_path / "results"
+    write_run(root, "full", 64, [1, 1, 1, 1, 1])
+    write_run(root, "icecache", 64, [1, 0, 1, 1, 0],
+              {"search_scored_fraction": [None, 0.2, 0.5], "search_nodes_expanded": [None, 10, 20]})
+    write_run(root, "icecache", 128, [1, 1, 1, 1, 1], {"search_scored_fraction": [None, 0.1, 0.1]})
+    write_run(root, "streaming_llm", 64, [0, 0, 0, 0, 0])
+    return root
+
+
+def test_table_has_each_method_budget_score_misses_and_search_fraction(folder):
+    text = tables.render(folder, draws=200)
+    assert "lengths=[1024]" in text and "depths=5" in text  # the cell's settings in its title
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| method | budget 64"))
+    assert header == "| method | budget 64 | budget 128 |"
+    ice = next(line for line in lines if line.startswith("| icecache |"))
+    assert ice.split(" | ")[1].startswith("60 [")  # 3 of 5 found
+    assert "(-40 [" in ice  # paired with full, which found all 5
+    full = next(line for line in lines if line.startswith("| full |"))
+    assert "(run at 64)" in full  # the full cache ignores the budget: its one run stands for 128 too
+    assert "- icecache at 64 (icecache-b64-" in text and f"{IDS[1]}, {IDS[4]}" in text
+    assert "- streaming_llm at 64 (" in text and "all 5" in text
+    assert not any(line.startswith("- icecache at 128") for line in lines)  # no miss, no line
+    search = [line for line in lines if line.startswith("| icecache | 64 |")]
+    assert search == ["| icecache | 64 | 0.350 | 15 |"]  # the mean over the layers reporting a value
+    assert "| icecache | 128 | 0.100 | - |" in lines
+
+
+def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tmp_path):
+    copy = tmp_path / "archived"
+    written = archive.archive(folder, copy)
+    assert len(written) == 4
+    for run_dir in written:
+        rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+        assert rows and all("timing" not in r and "scores" in r for r in rows)
+        assert (run_dir / "timing.json").exists() and (run_dir / "config.yaml").exists()
+    assert tables.render(copy, draws=200) == tables.render(folder, draws=200)
+
+
+def test_missing_folder_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tables.main([str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2
+    assert "is not a folder of run directories" in capsys.readouterr().err
