@@ -163,7 +163,7 @@ def test_wandb_offline_run_has_names_summary_and_predictions(tmp_path, monkeypat
     assert offline.name.endswith(rid)
     records = list(wandb_records(offline / f"run-{rid}.wandb"))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert (run.project, run.run_group, run.display_name) == ("kv-test", "passkey/tiny-llama", "streaming_llm-b32")
+    assert (run.project, run.run_group, run.display_name) == ("kv-test", "passkey/tiny-llama", run_dir.name)
     assert set(run.tags) == {"passkey", "tiny-llama", "streaming_llm", "budget=32"}
     assert {"model", "cache", "eval", "budget"} <= {item.key for item in run.config.update}
     summary = {item.key or "/".join(item.nested_key): item.value_json for r in records

@@ -1,11 +1,14 @@
 """Optional Weights & Biases logging of a finished run directory (``wandb.enabled=true``).
 
 One W&B run per run directory, named so the comparison dashboard groups itself (docs/wandb.md):
-project ``wandb.project``, group ``"<eval>/<model>"``, run name ``"<cache>-b<budget>"``, tags for the
-eval, model, cache and budget. Logged: the resolved config; the headline score and per-task scores;
-TTFT/TT2T/TPOT (mean, p50, p90) and the TPOT breakdown per phase; peak memory; the effective tokens
-attended per layer (table + line chart); a table of per-sample predictions; and, for runs with
-``diagnostics=recall``, the pooled attention-mass recall and its per-layer line chart (``recall.json``).
+project ``wandb.project``, group ``"<eval>/<model>"``, run name the run directory's name
+(``"<cache>-b<budget>-<hash>"``, unique per resolved configuration) followed by the cache options that differ
+from the method's defaults (``"icecache-b64-3f2a1b4c (page_size=8)"``), tags for the eval, model, cache and
+budget. Each finished sample logs one history step; at the end the run summary (not the history) gets the
+headline score and per-task scores, TTFT/TT2T/TPOT (mean, p50, p90) and the TPOT breakdown per phase, peak
+memory and, for runs with ``diagnostics=recall``, the pooled attention-mass recall (``recall.json``); charts
+and tables are logged once: the effective tokens attended per layer, the TPOT breakdown, the recall per
+layer and the per-sample predictions (references as plain text, :func:`reference_text`).
 
 Everything is read back from the run directory (``metrics.json``, ``timing.json``, ``predictions.jsonl``),
 so ``python -m evals.output.wandb_log <results_dir>`` can also upload runs made without W&B, e.g. on a cluster
@@ -35,13 +38,37 @@ def enabled(cfg: dict) -> bool:
     return bool((cfg.get("wandb") or {}).get("enabled"))
 
 
-def run_names(cfg: dict) -> dict:
-    """W&B project/entity/group/name/tags of a run (the dashboard's grouping keys)."""
+NAMED_OPTIONS = 3  # cache options spelled out in a run name; more are counted ("+2 more")
+
+
+def run_names(cfg: dict, run_dir: Path) -> dict:
+    """W&B project/entity/group/name/tags of a run (the dashboard's grouping keys). The name is the run
+    directory's (``<cache>-b<budget>-<hash of the other settings>``: two configurations never share it) and the
+    cache options that differ from the method's defaults (:func:`changed_cache_options`)."""
     wb = cfg.get("wandb") or {}
     ev, model, cache, budget = cfg["eval"]["name"], cfg["model"]["name"], cfg["cache"]["name"], cfg.get("budget")
+    changed = changed_cache_options(cfg["cache"])
+    if len(changed) > NAMED_OPTIONS:
+        changed = [*changed[:NAMED_OPTIONS], f"+{len(changed) - NAMED_OPTIONS} more"]
+    name = Path(run_dir).name + (f" ({', '.join(changed)})" if changed else "")
     return {"project": wb.get("project") or "icecache-bench", "entity": wb.get("entity"),
-            "group": f"{ev}/{model}", "name": f"{cache}-b{budget}",
-            "tags": [ev, model, cache, f"budget={budget}"]}
+            "group": f"{ev}/{model}", "name": name, "tags": [ev, model, cache, f"budget={budget}"]}
+
+
+def changed_cache_options(cache: dict) -> list[str]:
+    """``key=value`` for each option of a ``cache`` group that differs from its method's defaults (overrides and
+    a suite's official setting, conf/suite_cache/), in the group's order."""
+    from ..config import defaults
+    from .results import canonical
+
+    base = defaults("cache", cache.get("name", ""))
+    return [f"{key}={_text(value)}" for key, value in cache.items()
+            if key != "name" and key in base and canonical(value) != canonical(base[key])]
+
+
+def _text(value) -> str:
+    """A config value as the command line spells it (``true``, ``null``, ``[1,2]``)."""
+    return json.dumps(value, separators=(",", ":")) if not isinstance(value, str) else value
 
 
 def run_id(run_dir: Path) -> str:
@@ -71,9 +98,14 @@ def scalars(metrics: dict, timing: dict) -> dict:
     return out
 
 
-def recall_logs(recall: dict | None) -> dict:
-    """``diagnostics=recall`` runs: the pooled recall numbers and a recall-per-layer line plot."""
-    if not recall or "recall" not in recall.get("per_layer", {}):
+def has_recall(recall: dict | None) -> bool:
+    """A ``recall.json`` with per-layer recall (runs with ``diagnostics=recall``)."""
+    return bool(recall) and "recall" in recall.get("per_layer", {})
+
+
+def recall_chart(recall: dict | None) -> dict:
+    """``diagnostics=recall`` runs: a recall-per-layer line plot (its pooled numbers go to the summary)."""
+    if not has_recall(recall):
         return {}
     import wandb
 
@@ -81,9 +113,18 @@ def recall_logs(recall: dict | None) -> dict:
     table = wandb.Table(columns=["layer", "recall_mean", "recall_median", "recall_p10"],
                         data=[list(r) for r in zip(recall["layers"], per_layer["mean"], per_layer["median"],
                                                    per_layer["p10"])])
-    return {**recall_columns(recall),
-            "recall_per_layer": wandb.plot.line(table, "layer", "recall_mean",
+    return {"recall_per_layer": wandb.plot.line(table, "layer", "recall_mean",
                                                 title="Attention-mass recall per layer")}
+
+
+def reference_text(reference) -> str | None:
+    """A sample's reference as the predictions table shows it: a string as it is, a list of strings or numbers
+    as its items joined by `` | `` (``["25248"]`` shows ``25248``), anything else (a mapping) as JSON once."""
+    if reference is None or isinstance(reference, str):
+        return reference
+    if isinstance(reference, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in reference):
+        return " | ".join(str(v) for v in reference)
+    return json.dumps(reference, ensure_ascii=False, default=str)
 
 
 def prediction_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -92,7 +133,7 @@ def prediction_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     data = []
     for r in rows:
         timing = r.get("timing") or {}
-        data.append([r["id"], r["task"], json.dumps(r.get("reference"), ensure_ascii=False), r["prediction"],
+        data.append([r["id"], r["task"], reference_text(r.get("reference")), r["prediction"],
                      r["scores"].get("score"), json.dumps(r["scores"]), json.dumps(r.get("meta", {}), default=str),
                      timing.get("tt2t_s"), len(timing.get("intervals_s", [])) + 1 if timing else None])
     return columns, data
@@ -121,14 +162,15 @@ def session(cfg: dict, run_dir: Path):
     run_dir = Path(run_dir)
     config = {k: v for k, v in cfg.items() if k not in NOT_LOGGED}
     wb = cfg.get("wandb") or {}
-    with wandb.init(**run_names(cfg), id=run_id(run_dir), resume="allow", mode=wb.get("mode"), job_type="eval",
+    with wandb.init(**run_names(cfg, run_dir), id=run_id(run_dir), resume="allow", mode=wb.get("mode"), job_type="eval",
                     config={**config, "run_dir": str(run_dir)}, settings=wandb.Settings(console="off")) as run:
         yield run
 
 
 def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
     """Logs one finished run directory to W&B when ``cfg["wandb"]["enabled"]`` -- into ``run`` (an open
-    :func:`session`) or a session of its own; returns the W&B run id."""
+    :func:`session`) or a session of its own: its numbers into the run summary, its charts and tables as one
+    step; returns the W&B run id."""
     if not enabled(cfg):
         return None
     if run is None:
@@ -143,7 +185,10 @@ def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
     phases = wandb.Table(columns=["phase", "seconds_per_token"],
                          data=[[p, v] for p, v in timing.get("breakdown", {}).items()])
     columns, data = prediction_rows(load_predictions(run_dir / "predictions.jsonl"))
-    run.log({**scalars(metrics, timing), **recall_logs(read_recall(run_dir)),
+    recall = read_recall(run_dir)
+    # numbers go to the run summary only: logged as a step, each would also become a one-point history chart
+    run.summary.update({**scalars(metrics, timing), **(recall_columns(recall) if has_recall(recall) else {})})
+    run.log({**recall_chart(recall),
              "effective_tokens_per_layer": wandb.plot.line(layers, "layer", "effective_tokens",
                                                            title="Effective tokens attended per layer"),
              "tpot_breakdown": wandb.plot.bar(phases, "phase", "seconds_per_token",
