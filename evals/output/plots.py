@@ -8,14 +8,19 @@ latency runs' ``metrics.json`` and the passkey heat maps the passkey runs' ``pre
 * ``latency_scatter_<eval>_<model>.png``    TT2T vs TPOT per run, annotated with its score
 * ``tpot_breakdown_<eval>_<model>.png``     TPOT split into select/transfer/attention/update/other
 * ``decode_latency_vs_length_<model>.png``  TPOT vs context length (latency suite)
-* ``passkey_heatmap_<model>.png``           passkey accuracy over length x depth, one panel per run
+* ``passkey_heatmap_<model>.png``           passkey accuracy over length x depth per run (evals/output/passkey_plots.py)
 * ``recall_vs_layer_<eval>_<model>.png``     attention-mass recall per layer (runs with ``diagnostics=recall``)
 * ``recall_vs_accuracy_<eval>_<model>.png``  score vs pooled attention-mass recall across a sweep
 
-Each method keeps one colour everywhere (:data:`METHOD_COLORS`). Runs that differ in any other setting
-(the summary's ``variant``, e.g. ``question_via_decode=true``) are drawn as separate lines, points, bars
-and panels, labelled with that variant (and, if two runs still share a label, their directory): a figure
-never merges or drops a run. Heat-map cells show the number of samples behind each accuracy.
+Each method keeps one colour and one marker everywhere (evals/output/plot_style.py), and the series of a line
+figure sit a little apart on the x axis, so that equal values of two methods never hide one another. Every
+legend entry states its n (samples per run), and every figure ends in a footer with the runs' dtype and
+hardware (their ``resolved.json`` provenance, else ``timing.json``; ``mixed (...)`` where runs differ). Runs
+that differ in any setting (the summary's ``variant``) or in their number of samples are separate series:
+a figure never merges or drops a budgeted run. Of several full-cache runs of one configuration (a budget
+sweep repeats it) the one with the most samples is drawn, and its legend entry says so. A run whose budget
+covered the prompt (``budget_covers_context``) ran as full attention: its point is hollow and annotated
+"covers the context", never an ordinary budget point.
 """
 from __future__ import annotations
 
@@ -28,38 +33,33 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .results import load_predictions  # noqa: E402
+from .passkey_plots import passkey_accuracy_by_length, passkey_cells, passkey_heatmap  # noqa: E402,F401
+from .plot_style import (COVERS, METHOD_COLORS, add_footer, choose_full, covers_note, dodge_factors,  # noqa: E402,F401
+                         legend_outside, method_color, method_markers, n_text, prepared, save, series,
+                         series_label, variant_text)
 from .schema import read_recall, read_results  # noqa: E402
 from .summary import write_summary  # noqa: E402
 
-METHOD_COLORS = {"full": "#333333", "streaming_llm": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#8c564b",
-                 "pqcache": "#2ca02c", "omnikv": "#9467bd", "magicpig": "#e377c2", "quest": "#7f7f7f",
-                 "topk": "#bcbd22", "icecache": "#d62728", "icecache_reuse": "#17becf", "arkvale": "#aec7e8",
-                 "kvpress": "#98df8a"}
 PHASE_COLORS = {"select": "#4c72b0", "transfer": "#dd8452", "attention": "#55a868", "update": "#c44e52",
                 "other": "#8c8c8c"}
 NOT_ACCURACY = ("latency",)  # suites whose score is not a quality metric
-
-
-def method_color(cache: str) -> str:
-    return METHOD_COLORS.get(cache, "#000000")
+LINE_STYLES = ["-", ":", "-.", (0, (5, 1))]  # one per variant of a method
+MAX_COLUMN_BARS = 24  # more runs than this: the breakdown's bars lie horizontally
 
 
 def run_label(row) -> str:
     label = "full" if row["cache"] == "full" else f"{row['cache']} b{_budget_text(row['budget'])}"
-    variant = _variant(row)
+    variant = variant_text(row.get("variant") if hasattr(row, "get") else None)
     return f"{label} [{variant}]" if variant else label
 
 
-def _variant(row) -> str:
-    variant = row.get("variant") if hasattr(row, "get") else None
-    return "" if variant is None or pd.isna(variant) else str(variant)
-
-
-def unique_labels(frame: pd.DataFrame) -> list[str]:
-    """:func:`run_label` per row; labels that still collide get their run directory's name appended."""
-    labels = [run_label(row) for _, row in frame.iterrows()]
+def unique_labels(frame: pd.DataFrame, with_n: bool = True) -> list[str]:
+    """:func:`run_label` (and, ``with_n``, the run's n) per row; labels that still collide get their run
+    directory's name appended."""
+    labels = [f"{run_label(row)} ({n_text(row.get('n_drawn'))})" if with_n else run_label(row)
+              for _, row in frame.iterrows()]
     dirs = frame["run_dir"].tolist() if "run_dir" in frame else [str(i) for i in range(len(frame))]
     return [f"{lab} ({Path(str(d)).parent.parent.parent.name}/{Path(str(d)).name})" if labels.count(lab) > 1 else lab
             for lab, d in zip(labels, dirs)]
@@ -77,117 +77,160 @@ def _log2_ticks(ax, values) -> None:
     ax.minorticks_off()
 
 
-def _finish_line_plot(fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
-    """Axis labels, title, light grid and legend shared by the line and scatter figures, then save."""
+def _finish(fig, ax, frame: pd.DataFrame, xlabel: str, ylabel: str, title: str, note: str = ""):
+    """Axis labels, title, light grid, the legend outside the axes and the footer; returns the figure."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out)
-
-
-def _save(fig, out: Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120, bbox_inches="tight")  # long titles and rotated labels are never clipped
-    plt.close(fig)
-    return out
+    legend_outside(ax)
+    add_footer(fig, frame, note)
+    return fig
 
 
 def _sorted_runs(frame: pd.DataFrame) -> pd.DataFrame:
-    """Runs ordered full cache first, then by method and budget. The full cache ignores the budget, so
-    of several full-cache runs (a sweep over budgets) only the first is kept."""
-    frame = frame.assign(budget=pd.to_numeric(frame["budget"], errors="coerce"))
-    if "variant" not in frame:
-        frame = frame.assign(variant="")
-    frame = frame.assign(variant=[_variant({"variant": v}) for v in frame["variant"]])
-    frame = frame.sort_values(["cache", "variant", "budget"], key=lambda c: c.map(lambda x: (x != "full", x))
-                              if c.name == "cache" else c)
-    same = [c for c in ("eval", "model", "cache", "variant", "length") if c in frame]
-    return frame[~((frame["cache"] == "full") & frame.duplicated(same))]
+    """Runs ordered full cache first, then by method, variant and budget, with ``n_drawn``; of several
+    full-cache runs of one configuration, the one with the most samples (plot_style.choose_full)."""
+    return choose_full(prepared(frame))[0]
 
 
-def _line_label(cache: str, variant: str) -> str:
-    return f"{cache} [{variant}]" if variant else cache
+def _variant_styles(frame: pd.DataFrame) -> dict[str, object]:
+    """A line style per variant (the plain run: solid)."""
+    return {v: LINE_STYLES[i % len(LINE_STYLES)] for i, v in enumerate(sorted(set(frame["variant"])))}
+
+
+def _points(ax, key: tuple, runs: pd.DataFrame, xs, ys, marker: str, label: str, line=None, ci=False) -> None:
+    """One series: a line (``line``: its style; None: points only), filled markers, hollow ones annotated
+    "covers the context" where the budget covered the prompt, and (``ci``: ``ys`` are the scores) the
+    bootstrap interval where known."""
+    color = method_color(key[0])
+    xs, ys = list(xs), list(ys)
+    notes = [covers_note(row) for _, row in runs.iterrows()]
+    if line is not None:
+        ax.plot(xs, ys, ls=line, color=color, lw=1.2, zorder=2)
+    ax.plot([], [], marker=marker, color=color, ls=line or "none", label=label)
+    for x, y, note in zip(xs, ys, notes):
+        ax.plot([x], [y], marker=marker, ls="none", ms=7, color=color, mec=color, zorder=3,
+                mfc="white" if note else color, mew=1.5 if note else 1.0)
+        if note:
+            ax.annotate(note, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=6, color=color)
+    if ci and {"score_ci_low", "score_ci_high"} <= set(runs) and runs["score_ci_low"].notna().any():
+        low = [max(0.0, y - lo) for y, lo in zip(ys, runs["score_ci_low"].astype(float))]
+        high = [max(0.0, hi - y) for y, hi in zip(ys, runs["score_ci_high"].astype(float))]
+        ax.errorbar(xs, ys, yerr=[low, high], ls="none", color=color, alpha=0.4, capsize=2, zorder=1)
+
+
+def _covers_legend(ax, frame: pd.DataFrame) -> None:
+    if any(covers_note(row) for _, row in frame.iterrows()):
+        ax.plot([], [], marker="o", ls="none", mfc="white", mec="black", label=f"hollow: budget {COVERS}")
+
+
+def draw_accuracy_vs_budget(frame: pd.DataFrame, title: str = ""):
+    """Headline score vs KV budget (log2 axis): one line per method, variant and n, side by side (dodged);
+    each full cache as a dashed line; 95% bootstrap intervals as error bars."""
+    frame, chosen = choose_full(prepared(frame))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    markers, styles = method_markers(frame["cache"]), _variant_styles(frame)
+    lines = series(frame)
+    budgeted = [(key, runs) for key, runs in lines if key[0] != "full"]
+    for key, runs in lines:
+        if key[0] == "full":
+            ax.axhline(runs["score"].mean(), ls="--", color=method_color("full"),
+                       label=series_label(key, chosen.get(runs.index[0], 1)))
+    for (key, runs), factor in zip(budgeted, dodge_factors(len(budgeted))):
+        _points(ax, key, runs, runs["budget"] * factor, runs["score"], markers[key[0]], series_label(key),
+                line=styles[key[1]], ci=True)
+    _covers_legend(ax, frame)
+    _log2_ticks(ax, frame.loc[frame["cache"] != "full", "budget"])
+    ax.set_ylim(-3, 103)
+    return _finish(fig, ax, frame, "KV budget (past tokens per head per layer)", "score (0-100)",
+                   title or "Score vs KV budget", "methods dodged sideways at each budget; bars: 95% bootstrap")
 
 
 def accuracy_vs_budget(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """Headline score vs KV budget (log2 axis), one line per method; the full cache as a dashed line."""
-    frame = _sorted_runs(frame)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    styles = _variant_styles(frame)
-    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
-        if cache == "full":
-            ax.axhline(runs["score"].mean(), ls="--", color=method_color(cache),
-                       label=_line_label("full cache", variant))
-        else:
-            ax.plot(runs["budget"], runs["score"], marker=styles[variant][0], ls=styles[variant][1],
-                    color=method_color(cache), label=_line_label(cache, variant))
-    _log2_ticks(ax, frame.loc[frame["cache"] != "full", "budget"])
-    ax.set_ylim(-3, 103)
-    return _finish_line_plot(fig, ax, out, "KV budget (past tokens per head per layer)",
-                             "score (0-100)",
-                             title or "Score vs KV budget")
+    return save(draw_accuracy_vs_budget(frame, title), out)
 
 
-def _variant_styles(frame: pd.DataFrame) -> dict[str, tuple[str, str]]:
-    """A marker and line style per variant (the plain run: circles, solid lines)."""
-    variants = sorted(set(frame["variant"]))
-    markers, lines = "osD^v<>px*", ["-", ":", "-.", (0, (5, 1))]
-    return {v: (markers[i % len(markers)], lines[i % len(lines)]) for i, v in enumerate(variants)}
+def draw_latency_scatter(frame: pd.DataFrame, title: str = ""):
+    """TT2T (s) vs TPOT (ms), one point per run in its method's colour and marker, annotated with budget and
+    score; labels alternate above and below their points, always to the right, so none leaves the axes."""
+    frame, chosen = choose_full(prepared(frame))
+    markers = method_markers(frame["cache"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    k = 0
+    for key, runs in series(frame):
+        _points(ax, key, runs, runs["tt2t_s"], 1000 * runs["tpot_s"], markers[key[0]],
+                series_label(key, chosen.get(runs.index[0], 1)))
+        for _, row in runs.iterrows():
+            score = "-" if pd.isna(row.get("score")) else f"{row['score']:.1f}"
+            note = f"b{_budget_text(row['budget'])}: {score}" if key[0] != "full" else score
+            ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points",
+                        xytext=(6, 5 if k % 2 == 0 else -12), fontsize=7, annotation_clip=False)
+            k += 1
+    _covers_legend(ax, frame)
+    ax.margins(x=0.25, y=0.2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    return _finish(fig, ax, frame, "time to second token, TT2T (s)", "time per output token, TPOT (ms)",
+                   title or "TT2T vs TPOT (labels: budget: score)")
 
 
 def latency_scatter(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """TT2T (s) vs TPOT (ms), one point per run in its method's colour (a marker per variant), annotated
-    with budget and score; labels alternate around their points so neighbours do not overlap."""
-    frame = _sorted_runs(frame)
-    styles = _variant_styles(frame)
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    n = 0
-    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
-        ax.scatter(runs["tt2t_s"], 1000 * runs["tpot_s"], color=method_color(cache), marker=styles[variant][0],
-                   label=_line_label(cache, variant), s=40)
-        for _, row in runs.iterrows():
-            score = "-" if pd.isna(row.get("score")) else f"{row['score']:.1f}"
-            note = f"b{_budget_text(row['budget'])}: {score}" if cache != "full" else score
-            offset = [(5, 5), (5, -11), (-40, 5), (-40, -11)][n % 4]
-            ax.annotate(note, (row["tt2t_s"], 1000 * row["tpot_s"]), textcoords="offset points", xytext=offset,
-                        fontsize=7)
-            n += 1
-    ax.margins(0.2)
-    ax.set_ylim(bottom=0)
-    ax.set_xlim(left=0)
-    return _finish_line_plot(fig, ax, out, "time to second token, TT2T (s)",
-                             "time per output token, TPOT (ms)",
-                             title or "TT2T vs TPOT (labels: budget: score)")
+    return save(draw_latency_scatter(frame, title), out)
 
 
-def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """Stacked bars per run: milliseconds per output token in each decode phase."""
+def _stacked_bars(ax, labels: list[str], frame: pd.DataFrame, phases: list[str], horizontal: bool) -> list[float]:
+    """One stacked bar per run (ms per output token in each phase), labelled with its total; returns the totals."""
+    base, bars = [0.0] * len(labels), None
+    for phase in phases:
+        ms = (1000 * frame[f"breakdown/{phase}"].fillna(0.0)).tolist()
+        draw = ax.barh if horizontal else ax.bar
+        bars = draw(labels, ms, **{"left" if horizontal else "bottom": base}, color=PHASE_COLORS.get(phase),
+                    label=phase)
+        base = [b + m for b, m in zip(base, ms)]
+    if bars is not None:
+        ax.bar_label(bars, labels=[f"{b:.1f}" for b in base], fontsize=7, padding=2)
+    return base
+
+
+def draw_tpot_breakdown(frame: pd.DataFrame, title: str = ""):
+    """Stacked bars from 0 per run, labelled with their total: milliseconds per output token in each decode
+    phase; a run whose budget covered the prompt says so beside its label. Beyond :data:`MAX_COLUMN_BARS`
+    runs the bars lie horizontally (one row each), so the figure's width stays fixed."""
     frame = _sorted_runs(frame)
     phases = [c.split("/", 1)[1] for c in frame.columns if c.startswith("breakdown/")]
     phases = [p for p in PHASE_COLORS if p in phases] + [p for p in phases if p not in PHASE_COLORS]
-    labels = unique_labels(frame)
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(labels) + 2), 4))
-    bottom = [0.0] * len(labels)
-    for phase in phases:
-        ms = (1000 * frame[f"breakdown/{phase}"].fillna(0.0)).tolist()
-        ax.bar(labels, ms, bottom=bottom, color=PHASE_COLORS.get(phase), label=phase)
-        bottom = [b + m for b, m in zip(bottom, ms)]
-    ax.set_ylabel("time per output token (ms)")
+    labels = [f"{lab} [{note}]" if note else lab
+              for lab, note in zip(unique_labels(frame), (covers_note(r) for _, r in frame.iterrows()))]
+    horizontal = len(labels) > MAX_COLUMN_BARS
+    size = (10, 1.5 + 0.26 * len(labels)) if horizontal else (max(4.0, 0.8 * len(labels) + 2), 4)
+    fig, ax = plt.subplots(figsize=size)
+    totals = _stacked_bars(ax, labels, frame, phases, horizontal)
+    value_axis = ax.xaxis if horizontal else ax.yaxis
+    (ax.set_xlim if horizontal else ax.set_ylim)(0, 1.15 * max(totals + [1e-9]))
+    value_axis.set_major_locator(MaxNLocator(nbins=6, min_n_ticks=3))
+    value_axis.set_label_text("time per output token (ms)")
+    if horizontal:
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+    else:
+        ax.tick_params(axis="x", rotation=45)
+        plt.setp(ax.get_xticklabels(), ha="right", fontsize=8)
     ax.set_title(title or "TPOT breakdown per decode phase")
-    ax.tick_params(axis="x", rotation=45)
-    plt.setp(ax.get_xticklabels(), ha="right")
-    ax.legend(fontsize=8)
-    return _save(fig, out)
+    legend_outside(ax)
+    add_footer(fig, frame, "bar labels: total ms per token")
+    return fig
+
+
+def tpot_breakdown(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
+    return save(draw_tpot_breakdown(frame, title), out)
 
 
 def recall_vs_layer(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     """Mean attention-mass recall per budgeted layer (``recall.json``), one panel per budget and one line per
-    run with ``diagnostics=recall`` in its method's colour; one legend for all panels, outside them."""
+    run with ``diagnostics=recall`` in its method's colour and marker; one legend for all panels, outside them."""
     frame = _sorted_runs(frame)
+    markers = method_markers(frame["cache"])
     budgets = sorted({b for b in frame["budget"] if pd.notna(b)}) or [None]
     fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets) + 2, 3.6), sharey=True, squeeze=False)
     handles = {}
@@ -196,9 +239,9 @@ def recall_vs_layer(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
         if not recall or "recall" not in recall.get("per_layer", {}):
             continue
         ax = axes[0][budgets.index(row["budget"]) if row["budget"] in budgets else 0]
-        label = _line_label(row["cache"], _variant(row))
-        (line,) = ax.plot(recall["layers"], recall["per_layer"]["recall"]["mean"], marker="o", ms=3,
-                          color=method_color(row["cache"]), label=label)
+        label = series_label((row["cache"], row["variant"], row["n_drawn"], 0))
+        (line,) = ax.plot(recall["layers"], recall["per_layer"]["recall"]["mean"], marker=markers[row["cache"]],
+                          ms=3, color=method_color(row["cache"]), label=label)
         handles.setdefault(label, line)
     for ax, budget in zip(axes[0], budgets):
         ax.set_title(f"budget {_budget_text(budget)}" if budget is not None else "")
@@ -208,100 +251,76 @@ def recall_vs_layer(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     axes[0][0].set_ylim(0, 1.02)
     fig.legend(list(handles.values()), list(handles), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(title or "Attention-mass recall per layer")
-    return _save(fig, out)
+    fig.tight_layout()
+    add_footer(fig, frame)
+    return save(fig, out)
 
 
 def recall_vs_accuracy(frame: pd.DataFrame, out: Path, title: str = "") -> Path:
     """Score vs pooled attention-mass recall, one point per run with ``diagnostics=recall`` (a sweep over
     methods and budgets), annotated with the budget."""
-    frame = _sorted_runs(frame[frame["recall_mean"].notna()])
-    styles = _variant_styles(frame)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (cache, variant), runs in frame.groupby(["cache", "variant"], sort=False):
-        ax.scatter(runs["recall_mean"], runs["score"], color=method_color(cache), marker=styles[variant][0],
-                   label=_line_label(cache, variant), s=40)
+    frame, chosen = choose_full(prepared(frame[frame["recall_mean"].notna()]))
+    markers = method_markers(frame["cache"])
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, runs in series(frame):
+        _points(ax, key, runs, runs["recall_mean"], runs["score"], markers[key[0]],
+                series_label(key, chosen.get(runs.index[0], 1)))
         for _, row in runs.iterrows():
-            if cache != "full":
+            if key[0] != "full":
                 ax.annotate(f"b{_budget_text(row['budget'])}", (row["recall_mean"], row["score"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=7)
+    _covers_legend(ax, frame)
     ax.set_xlim(max(0.0, float(frame["recall_mean"].min()) - 0.05), 1.01)
     ax.set_ylim(-3, 103)
-    return _finish_line_plot(fig, ax, out, "attention-mass recall (pooled mean)", "score (0-100)",
-                             title or "Score vs attention-mass recall")
+    return save(_finish(fig, ax, frame, "attention-mass recall (pooled mean)", "score (0-100)",
+                        title or "Score vs attention-mass recall"), out)
 
 
 def latency_by_length(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (latency run, context length) from the runs' ``metrics.json`` ``lengths`` entries:
-    cache, budget, model, length, tt2t_s, ttft_s, tpot_s and breakdown/<phase>."""
+    cache, budget, model, length, n_samples, tt2t_s, ttft_s, tpot_s and breakdown/<phase>."""
     rows = []
     for _, run in frame.iterrows():
         metrics, _ = read_results(Path(run["run_dir"]))
         for length, at in metrics.get("lengths", {}).items():
             rows.append({"cache": run["cache"], "budget": run["budget"], "model": run["model"], "length": int(length),
-                         "variant": _variant(run), "run_dir": run["run_dir"],
+                         "variant": variant_text(run.get("variant")), "run_dir": run["run_dir"],
+                         "n_samples": run.get("n_samples"), "budget_covers_context": run.get("budget_covers_context"),
                          **{k: v for k, v in at.items() if k != "breakdown"},
                          **{f"breakdown/{p}": v for p, v in at.get("breakdown", {}).items()}})
     return pd.DataFrame(rows)
 
 
-def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") -> Path:
-    """TPOT (ms) vs context length (log2 axis), one line per run (method colour, marker per budget)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    markers = "osD^v<>px*"
+def draw_decode_latency_vs_length(table: pd.DataFrame, title: str = ""):
+    """TPOT (ms) vs context length (log2 axis), one line per run (method colour and marker, a line style per
+    budget), dodged sideways."""
+    table = prepared(table)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    markers = method_markers(table["cache"])
     budgets = sorted({_budget_text(b) for b in table["budget"]})
-    groups = _sorted_runs(table).groupby(["cache", "budget", "variant", "run_dir"], sort=False, dropna=False)
-    for (cache, budget, variant, _), runs in groups:
+    groups = list(table.groupby(["cache", "budget", "variant", "run_dir"], sort=False, dropna=False))
+    for ((cache, budget, variant, _), runs), factor in zip(groups, dodge_factors(len(groups), 0.2)):
         runs = runs.sort_values("length")
-        label = run_label({"cache": cache, "budget": budget, "variant": variant})
-        ax.plot(runs["length"], 1000 * runs["tpot_s"], color=method_color(cache), label=label,
-                marker=markers[budgets.index(_budget_text(budget)) % len(markers)])
+        label = f"{run_label({'cache': cache, 'budget': budget, 'variant': variant})} ({n_text(runs['n_drawn'].iat[0])})"
+        key = (cache, variant, None, 0)
+        _points(ax, key, runs, runs["length"] * factor, 1000 * runs["tpot_s"], markers[cache], label,
+                line=LINE_STYLES[budgets.index(_budget_text(budget)) % len(LINE_STYLES)])
+    _covers_legend(ax, table)
     _log2_ticks(ax, table["length"])
     ax.set_ylim(bottom=0)
-    return _finish_line_plot(fig, ax, out, "context length (tokens)",
-                             "decode latency per token, TPOT (ms)",
-                             title or "Decode latency vs context length")
+    return _finish(fig, ax, table, "context length (tokens)", "decode latency per token, TPOT (ms)",
+                   title or "Decode latency vs context length", "runs dodged sideways at each length")
 
 
-def passkey_cells(run_dir: Path) -> pd.DataFrame:
-    """Mean passkey accuracy (%) and sample count ``n`` per (length, depth) of one run, from its predictions."""
-    rows = [{"length": r["meta"]["length"], "depth": r["meta"]["depth"], "score": 100 * r["scores"]["score"]}
-            for r in load_predictions(Path(run_dir) / "predictions.jsonl")]
-    return pd.DataFrame(rows).groupby(["length", "depth"], as_index=False).agg(
-        score=("score", "mean"), n=("score", "size"))
-
-
-def passkey_heatmap(runs: dict[str, pd.DataFrame], out: Path, title: str = "") -> Path:
-    """Passkey accuracy over context length (x) and needle depth (y), one panel per run
-    (``runs``: label -> :func:`passkey_cells` frame)."""
-    n = len(runs)
-    fig, axes = plt.subplots(1, n, figsize=(1.2 + 3.0 * n, 3.6), squeeze=False)
-    fig.subplots_adjust(wspace=0.45)  # room for each panel's own depth labels
-    image = None
-    for ax, (label, cells) in zip(axes[0], runs.items()):  # each panel its own depth axis (no sharey)
-        grid = cells.pivot(index="depth", columns="length", values="score").sort_index()
-        counts = cells.pivot(index="depth", columns="length", values="n").reindex_like(grid) \
-            if "n" in cells else None
-        image = ax.imshow(grid.to_numpy(), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
-        ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns], rotation=45)
-        ax.set_yticks(range(grid.shape[0]), [f"{d:.0%}" for d in grid.index])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(label, fontsize=9)
-        for (i, j), v in pd.DataFrame(grid.to_numpy()).stack().items():
-            n_cell = "" if counts is None else f"\nn={int(counts.iat[i, j])}"
-            ax.text(j, i, f"{v:.0f}{n_cell}", ha="center", va="center", fontsize=6)
-    axes[0][0].set_ylabel("needle depth")
-    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy (%)")
-    fig.suptitle(title or "Passkey accuracy by length and depth")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
+def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") -> Path:
+    return save(draw_decode_latency_vs_length(table, title), out)
 
 
 def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Draws every figure the complete runs of a summary table support into ``out_dir``."""
-    frame = summary[summary["status"] == "complete"] if len(summary) else summary
+    """Draws every figure the finished runs of a summary table support into ``out_dir``: complete runs and
+    ``partial`` ones (a limit left samples out), the latter as series of their own labelled with their n."""
+    finished = summary["status"].astype(str).str.startswith(("complete", "partial")) if len(summary) else []
+    frame = summary[finished] if len(summary) else summary
     paths, out = [], Path(out_dir)
     for (ev, model), runs in frame.groupby(["eval", "model"]):
         tag = f"{ev}_{model}"
@@ -322,8 +341,8 @@ def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
                                                   f"Decode latency vs context length ({model})"))
         if ev == "passkey":
             ordered = _sorted_runs(runs)
-            cells = {label: passkey_cells(row["run_dir"])
-                     for label, (_, row) in zip(unique_labels(ordered), ordered.iterrows())}
+            cells = {label: passkey_cells(row["run_dir"])  # each panel states the n of its cells
+                     for label, (_, row) in zip(unique_labels(ordered, with_n=False), ordered.iterrows())}
             paths.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
                                          f"Passkey accuracy by length and depth ({model})"))
     return paths
@@ -335,27 +354,6 @@ def make_all(results_dir: str | Path) -> list[Path]:
     if not results_dir.is_dir() or not any(results_dir.rglob("config_hash")):
         raise FileNotFoundError(f"no run directories under {results_dir} (run `python run.py ...` first)")
     return figures(pd.read_csv(write_summary(results_dir)), results_dir / "figures")
-
-
-def passkey_accuracy_by_length(frame: pd.DataFrame, out: Path) -> Path:
-    """Grouped bars: passkey accuracy (%) per context length, one bar per method."""
-    tasks = sorted((c for c in frame.columns if c.startswith("task/passkey_")), key=lambda c: int(c.split("_")[-1]))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / max(len(frame), 1)
-    for i, (_, row) in enumerate(frame.iterrows()):
-        xs = [j + i * width for j in range(len(tasks))]
-        label = row["cache"] if row["cache"] == "full" else f"{row['cache']} (budget {row['budget']})"
-        ax.bar(xs, [row[t] for t in tasks], width, label=label, color=METHOD_COLORS.get(row["cache"]))
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], [t.split("_")[-1] + " tokens" for t in tasks])
-    ax.set_ylabel("passkey accuracy (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title("Passkey retrieval, SmolLM2-135M-Instruct")
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
 
 
 def main(argv=None) -> None:
