@@ -1,18 +1,21 @@
 """Helpers every test module imports (``from helpers import ...``): tiny random models built in-process, the
-full-attention oracle, an in-process byte tokenizer, and :data:`METHOD_CASES`, the one table of per-method
-contract cases (in the spirit of NVIDIA kvpress' ``tests/default_presses.py``)."""
+full-attention oracle, an in-process byte tokenizer, and the per-method contract cases (in the spirit of NVIDIA
+kvpress' ``tests/default_presses.py``): :data:`METHOD_ROWS` holds the rows a method needs, :func:`method_case`
+gives every registered method (``evals.registry.METHODS``) its case, a row's or one derived from its class, and
+the ``check_*`` functions are the contract tests/test_contract.py runs on each."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from evals.registry import make_cache
+from evals.registry import METHODS, make_cache, make_method, method_class
 from evals.models import tiny_config
+from icecache.kv import KVMethod
 
 DATA_DIR = Path(os.environ.get("ICECACHE_DATA_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 
@@ -24,7 +27,8 @@ TINY_SHAPES = [("tiny-llama", 1, 4), ("tiny-llama", 2, 4), ("tiny-llama", 4, 4),
 class MethodCase:
     """A method's contract case: with ``covering`` its budget covers a ``prompt_len + new_tokens`` context
     (it must equal full attention); with ``small`` it must stay within the budget under ``debug=True``;
-    ``invalid`` is one hyperparameter value :meth:`KVMethod.validate` must reject."""
+    ``invalid`` is one hyperparameter value :meth:`KVMethod.validate` must reject. ``derived``: the case was
+    derived from the method's class (:func:`derived_case`), not written as a row of :data:`METHOD_ROWS`."""
 
     name: str
     covering: dict = field(default_factory=dict)  # budget and hyperparameters
@@ -33,6 +37,7 @@ class MethodCase:
     prompt_len: int = 48
     new_tokens: int = 8
     requires: str | None = None  # an optional package the method needs (its tests skip without it)
+    derived: bool = False
 
 
 # the M-DCI search visits every page, so a covering budget retrieves the whole prompt through the index; the
@@ -41,7 +46,10 @@ class MethodCase:
 # scored key (the official code never indexes a prompt the budget covers, which the default short_prompt keeps)
 ICECACHE_EXHAUSTIVE = dict(always_index=True, prop_to_retrieve=1.0, min_fov=1 << 20, candidate_rule="scored")
 
-METHOD_CASES = [
+# The rows of the methods whose derived case (:func:`derived_case`) does not fit: a paged or index-based method
+# whose covering budget needs more than the context or other hyperparameters, one with a validation to check
+# (``invalid``), one that needs an optional package. A method without a row gets its derived case.
+METHOD_ROWS = [
     MethodCase("full", covering=dict(budget=None)),
     MethodCase("streaming_llm", covering=dict(budget=56), small=dict(budget=16), invalid=dict(n_sink=-1)),
     MethodCase("h2o", covering=dict(budget=54), small=dict(budget=16), invalid=dict(chunk_size=0)),
@@ -75,14 +83,109 @@ METHOD_CASES = [
                requires="kvpress"),
 ]
 
+ROWS = {row.name: row for row in METHOD_ROWS}
+
+
+def smallest_valid_budget(cls: type[KVMethod], start: int, stop: int) -> int | None:
+    """The smallest budget in ``[start, stop)`` that ``cls`` accepts with its default hyperparameters."""
+    for budget in range(start, stop):
+        try:
+            cls(budget=budget)
+        except (ValueError, TypeError):
+            continue
+        return budget
+    return None
+
+
+def derived_case(name: str) -> MethodCase:
+    """The contract case of a registered method without a row, derived from its class: a method without a budget
+    (``needs_budget = False``) runs with none; otherwise its covering budget is the smallest valid one from the
+    whole ``prompt_len + new_tokens`` context up, and its small budget the smallest valid one below it."""
+    case = MethodCase(name, derived=True)
+    cls = method_class(name)
+    if not cls.needs_budget:
+        return replace(case, covering=dict(budget=None))
+    context = case.prompt_len + case.new_tokens
+    covering = smallest_valid_budget(cls, context, 8 * context) or context  # an invalid one fails with its error
+    small = smallest_valid_budget(cls, 1, context)
+    return replace(case, covering=dict(budget=covering), small=dict(budget=small) if small else {})
+
+
+def method_case(name: str) -> MethodCase:
+    """The contract case of the registered method ``name``: its row in :data:`METHOD_ROWS`, else its derived
+    case."""
+    return ROWS[name] if name in ROWS else derived_case(name)
+
+
+def method_cases() -> list[MethodCase]:
+    """Every registered method's case, in the registry's order."""
+    return [method_case(name) for name in METHODS]
+
+
+METHOD_CASES = method_cases()
+
+
+def row_needed(case: MethodCase, what: str, err: BaseException) -> str:
+    """The failure of a derived case: which row to add, where, and what the derived case did."""
+    cls = method_class(case.name).__name__
+    return (f"add a MethodCase row for '{case.name}' to METHOD_ROWS in tests/helpers.py: {what} (e.g. "
+            f"MethodCase('{case.name}', covering=dict(budget=...), small=dict(budget=...))); the case derived from "
+            f"{cls} (covering={case.covering}, small={case.small}, prompt_len={case.prompt_len}, "
+            f"new_tokens={case.new_tokens}) failed: {err}")
+
+
 def skip_without_requirement(method: str) -> None:
     """Skips the calling test when ``method`` needs an optional package that is not installed (its
     ``MethodCase.requires``: kvpress)."""
     import pytest
 
-    requires = next((c.requires for c in METHOD_CASES if c.name == method), None)
+    requires = ROWS[method].requires if method in ROWS else None
     if requires:
         pytest.importorskip(requires, reason=f"{method} needs the optional package {requires}")
+
+
+def check_covering_equals_full(case: MethodCase) -> None:
+    """The contract's first check: at the case's covering budget the method equals full attention (tokens and
+    logits, under ``debug=True``)."""
+    skip_without_requirement(case.name)
+    try:
+        assert_matches_full(build_tiny("tiny-llama", 2, 4), case.name, prompt_len=case.prompt_len,
+                            new_tokens=case.new_tokens, debug=True, **case.covering)
+    except (AssertionError, ValueError, TypeError) as err:
+        if not case.derived:
+            raise
+        raise AssertionError(row_needed(case, "a `covering` budget and hyperparameters with which it equals full "
+                                              "attention on a prompt_len + new_tokens context", err)) from err
+
+
+def check_small_budget_holds(case: MethodCase) -> None:
+    """The contract's second check: at the case's small budget a generation stays within the budget at every
+    step (``debug=True`` asserts it) and exercises budgeted layers."""
+    skip_without_requirement(case.name)
+    try:
+        model = build_tiny("tiny-llama", 2, 4)
+        ids = torch.randint(0, model.config.vocab_size, (1, case.prompt_len),
+                            generator=torch.Generator().manual_seed(0))
+        out, cache = generate_with(model, ids, case.new_tokens, case.name, debug=True, **case.small)
+        assert out.sequences.shape[1] == case.prompt_len + case.new_tokens
+        budgeted = [s.layer_idx for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+        assert budgeted, f"{case.name}: the small case must exercise budgeted layers"
+    except (AssertionError, ValueError, TypeError) as err:
+        if not case.derived:
+            raise
+        raise AssertionError(row_needed(case, "a `small` budget and hyperparameters it accepts and keeps under "
+                                              "debug=True with budgeted layers", err)) from err
+
+
+def check_validate_rejects(case: MethodCase) -> None:
+    """The contract's third check: the case's small configuration is valid and its ``invalid`` value is not."""
+    import pytest
+
+    skip_without_requirement(case.name)
+    budget = case.small.get("budget", 64)
+    make_method(case.name, budget=budget, **{k: v for k, v in case.small.items() if k != "budget"})  # valid
+    with pytest.raises(ValueError, match=next(iter(case.invalid))):
+        make_method(case.name, budget=budget, **case.invalid)
 
 
 # what a method needs to accept the budget of 64 that the table-wide tests (test_integrity, test_reliability)

@@ -77,7 +77,6 @@ TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the m
 JIT_METHODS = ("icecache", "icecache_tuned", "icecache_reuse", "icecache_reuse_rerank", "magicpig",
                "magicpig_calibrated")  # numba kernels (icecache/dci, icecache/resident.py, magicpig buckets)
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in OPTIONAL_METHODS)
 BREAKDOWN = (*PHASES, "other")
 OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin; what each rule puts in a cell's environment
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle threads sleep at once
@@ -103,9 +102,15 @@ def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], n
             "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, method)}
 
 
+def default_methods() -> list[str]:
+    """The methods benchmarked when none are named: every method registered in ``evals.registry.METHODS`` when
+    the arguments are parsed, except :data:`OPTIONAL_METHODS`."""
+    return [m for m in METHODS if m not in OPTIONAL_METHODS]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
+    parser.add_argument("--methods", nargs="+", default=default_methods())
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
