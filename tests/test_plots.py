@@ -192,6 +192,8 @@ def test_covers_context_points_are_hollow_and_annotated(uneven_dir):
     assert any("covers the context" in label for label in legend_texts(fig))
     assert not any(line.get_markerfacecolor() == "white" and line.get_xdata()[0] < 100 for line in ax.lines
                    if len(line.get_xdata()) == 1)
+    panels = plots.passkey_panels(collect(uneven_dir, draws=0))
+    assert [label for label in panels if "covers the context" in label] == ["icecache b2048 [covers the context]"]
     breakdown = plots.draw_tpot_breakdown(collect(uneven_dir, draws=0))
     assert any("covers the context" in t.get_text() for t in breakdown.axes[0].get_xticklabels())
 

@@ -316,6 +316,19 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
     return save(draw_decode_latency_vs_length(table, title), out)
 
 
+def passkey_panels(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The heat map's panels: label -> :func:`passkey_cells` per run (each panel states the n of its cells);
+    a run whose budget covered the prompt says so in its label."""
+    ordered = _sorted_runs(runs)
+    labels = [f"{label} [{note}]" if note else label
+              for label, note in zip(unique_labels(ordered, with_n=False), map(covers_note, _rows(ordered)))]
+    return {label: passkey_cells(row["run_dir"]) for label, row in zip(labels, _rows(ordered))}
+
+
+def _rows(frame: pd.DataFrame) -> list:
+    return [row for _, row in frame.iterrows()]
+
+
 def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Draws every figure the finished runs of a summary table support into ``out_dir``: complete runs and
     ``partial`` ones (a limit left samples out), the latter as series of their own labelled with their n."""
@@ -340,10 +353,7 @@ def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
             paths.append(decode_latency_vs_length(latency_by_length(runs), out / f"decode_latency_vs_length_{model}.png",
                                                   f"Decode latency vs context length ({model})"))
         if ev == "passkey":
-            ordered = _sorted_runs(runs)
-            cells = {label: passkey_cells(row["run_dir"])  # each panel states the n of its cells
-                     for label, (_, row) in zip(unique_labels(ordered, with_n=False), ordered.iterrows())}
-            paths.append(passkey_heatmap(cells, out / f"passkey_heatmap_{model}.png",
+            paths.append(passkey_heatmap(passkey_panels(runs), out / f"passkey_heatmap_{model}.png",
                                          f"Passkey accuracy by length and depth ({model})"))
     return paths
 
