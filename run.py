@@ -6,7 +6,8 @@ writes nothing outside the run directory (no ``outputs/`` folder; a sweep's ``mu
 logs go under ``<results_dir>/sweeps/``; conf/config.yaml). User errors print one line and exit 2: a bad
 value, and before Hydra composes anything, an unknown group option (``cache=icecahe``: the nearest name and
 the valid ones), an unknown key (``cache.page_sise=8``: the nearest key and the valid ones), an override that
-cannot be parsed, or a list of values without ``-m`` (:func:`command_line_error`). ``debug=true`` or
+cannot be parsed, an unknown flag, or a list of values without ``-m`` (:func:`command_line_error`); ``-m`` may
+come anywhere on the command line (:func:`settings_first`). ``debug=true`` or
 ``HYDRA_FULL_ERROR=1`` shows the traceback. In a sweep (``-m``) a user error found while a job runs is also
 raised, so the launcher (basic or submitit) records that job as failed, the other jobs still run, and Hydra
 reports the failed overrides at the end (exit status 1). Ctrl-C prints one line (the run directory and how
@@ -46,6 +47,8 @@ REPO = Path(__file__).resolve().parent
 OmegaConf.register_new_resolver("repo_path", lambda p: str(p if Path(p).is_absolute() else REPO / p), replace=True)
 NAMED_GROUPS = ("model", "cache", "eval")  # groups whose node records the chosen option as ``name``
 MAX_SWEEP_CHECKS = 64  # sweep combinations composed up front (each takes ~0.1 s)
+VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+               "--config-dir", "--experimental-rerun")  # Hydra's flags that take the next word as their value
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -108,20 +111,14 @@ def command_line_error(argv: list[str]) -> str | None:
     """The one-line error of a command line that Hydra would refuse to compose, or None (also when the command
     line is Hydra's business: ``--help``, ``--info``, other config files). Each combination of a sweep's group
     choices (``-m cache=full,icecache``) is composed, up to :data:`MAX_SWEEP_CHECKS`."""
-    import contextlib
-    import io
-
     from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, OverrideParseException
 
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            args, _ = get_args_parser().parse_known_args(argv)
-    except SystemExit:  # Hydra's own parser reports a bad flag
-        return None
+    args, problem = _read_flags(settings_first(argv))
+    if problem:
+        return problem
     if any(getattr(args, flag, None) for flag in ("help", "hydra_help", "info", "shell_completion",
                                                    "experimental_rerun", "config_path", "config_name",
                                                    "config_dir")):
@@ -156,6 +153,31 @@ def command_line_error(argv: list[str]) -> str | None:
             if problem:
                 return problem + (f" (in the sweep's job {' '.join(combo)})" if combo else "")
     return None
+
+
+def _read_flags(argv: list[str]):
+    """Hydra's reading of a command line: ``(its argparse namespace, None)`` or ``(None, the one-line error)``
+    for an unknown flag, a flag without its value or with a bad one, or two flags that exclude each other."""
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args, extra = get_args_parser().parse_known_args(argv)
+    except SystemExit:  # argparse's last line, without the usage text
+        reason = (said.getvalue().strip().splitlines() or ["cannot read the command line"])[-1]
+        return None, f"{reason.split(': error: ', 1)[-1]} (python run.py --hydra-help lists the flags)"
+    if extra:
+        return None, (f"unknown flag {' '.join(extra)}: settings are key=value (python run.py eval=passkey "
+                      "budget=64); python run.py --hydra-help lists the flags")
+    modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                   ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:
+        return None, f"{' and '.join(modes)} exclude each other: give one of them"
+    return args, None
 
 
 def _compose_error(compose, overrides: list[str]) -> str | None:
@@ -233,7 +255,28 @@ def _hint_elsewhere(parent: str, where: str, key: str, value: str, compose, over
     return f"did you mean {parent}.{best}={value}, an option of {owners}?"
 
 
+def settings_first(argv: list[str]) -> list[str]:
+    """The command line with the settings before Hydra's flags (``-m``, ``-c job``, ...): its parser reads the
+    settings on one side of the flags only, so ``run.py eval=passkey -m budget=32,64`` would otherwise fail
+    with the whole usage text (and a trailing ``--info`` takes no setting as its value). A setting never
+    starts with ``-``; ``--info``'s optional value is a word without ``=``."""
+    flags, settings, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-"):
+            settings.append(token)
+            i += 1
+            continue
+        follows = argv[i + 1] if i + 1 < len(argv) else None
+        takes_value = token in VALUE_FLAGS or (token in ("-i", "--info") and follows is not None
+                                                and "=" not in follows and not follows.startswith(("-", "~")))
+        flags += argv[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return settings + flags
+
+
 if __name__ == "__main__":
+    sys.argv[1:] = settings_first(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") != "1":
         problem = command_line_error(sys.argv[1:])
         if problem:
