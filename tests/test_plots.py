@@ -181,6 +181,9 @@ def test_runs_with_different_n_are_separate_series_and_full_is_chosen_by_rule(un
     assert "icecache (n=4)" in labels and "icecache (n=1)" in labels
     assert "full cache (n=4; most samples of 2 runs)" in labels
     assert not any("n=2" in label for label in labels)
+    ticks = [t.get_text() for t in plots.draw_tpot_breakdown(collect(uneven_dir, draws=0)).axes[0].get_xticklabels()]
+    assert ticks[0] == "full (n=4) [most samples of 2 runs]"
+    assert "icecache b64 (n=4)" in ticks and "icecache b64 (n=1)" in ticks
 
 
 def test_covers_context_points_are_hollow_and_annotated(uneven_dir):

@@ -36,7 +36,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .passkey_plots import passkey_accuracy_by_length, passkey_cells, passkey_heatmap  # noqa: E402,F401
-from .plot_style import (COVERS, METHOD_COLORS, add_footer, choose_full, covers_note, dodge_factors,  # noqa: E402,F401
+from .plot_style import (COVERS, FULL_RULE, METHOD_COLORS, add_footer, choose_full, covers_note, dodge_factors,  # noqa: E402,F401
                          legend_outside, method_color, method_markers, n_text, prepared, save, series,
                          series_label, variant_text)
 from .schema import read_recall, read_results  # noqa: E402
@@ -92,6 +92,17 @@ def _sorted_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """Runs ordered full cache first, then by method, variant and budget, with ``n_drawn``; of several
     full-cache runs of one configuration, the one with the most samples (plot_style.choose_full)."""
     return choose_full(prepared(frame))[0]
+
+
+def labelled_runs(frame: pd.DataFrame, with_n: bool = True) -> tuple[pd.DataFrame, list[str]]:
+    """:func:`_sorted_runs` and a label per run (:func:`unique_labels`) that says when its budget covered the
+    prompt and, for a full cache chosen among several runs, by which rule."""
+    frame, chosen = choose_full(prepared(frame))
+    labels = []
+    for label, (i, row) in zip(unique_labels(frame, with_n), frame.iterrows()):
+        notes = [covers_note(row)] + ([f"{FULL_RULE} of {chosen[i]} runs"] if chosen.get(i, 1) > 1 else [])
+        labels.append(" ".join([label, *(f"[{n}]" for n in notes if n)]))
+    return frame, labels
 
 
 def _variant_styles(frame: pd.DataFrame) -> dict[str, object]:
@@ -197,11 +208,9 @@ def draw_tpot_breakdown(frame: pd.DataFrame, title: str = ""):
     """Stacked bars from 0 per run, labelled with their total: milliseconds per output token in each decode
     phase; a run whose budget covered the prompt says so beside its label. Beyond :data:`MAX_COLUMN_BARS`
     runs the bars lie horizontally (one row each), so the figure's width stays fixed."""
-    frame = _sorted_runs(frame)
+    frame, labels = labelled_runs(frame)
     phases = [c.split("/", 1)[1] for c in frame.columns if c.startswith("breakdown/")]
     phases = [p for p in PHASE_COLORS if p in phases] + [p for p in phases if p not in PHASE_COLORS]
-    labels = [f"{lab} [{note}]" if note else lab
-              for lab, note in zip(unique_labels(frame), (covers_note(r) for _, r in frame.iterrows()))]
     horizontal = len(labels) > MAX_COLUMN_BARS
     size = (10, 1.5 + 0.26 * len(labels)) if horizontal else (max(4.0, 0.8 * len(labels) + 2), 4)
     fig, ax = plt.subplots(figsize=size)
@@ -319,14 +328,8 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
 def passkey_panels(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """The heat map's panels: label -> :func:`passkey_cells` per run (each panel states the n of its cells);
     a run whose budget covered the prompt says so in its label."""
-    ordered = _sorted_runs(runs)
-    labels = [f"{label} [{note}]" if note else label
-              for label, note in zip(unique_labels(ordered, with_n=False), map(covers_note, _rows(ordered)))]
-    return {label: passkey_cells(row["run_dir"]) for label, row in zip(labels, _rows(ordered))}
-
-
-def _rows(frame: pd.DataFrame) -> list:
-    return [row for _, row in frame.iterrows()]
+    ordered, labels = labelled_runs(runs, with_n=False)
+    return {label: passkey_cells(row["run_dir"]) for label, (_, row) in zip(labels, ordered.iterrows())}
 
 
 def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
