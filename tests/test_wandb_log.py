@@ -3,6 +3,7 @@
 module records the calls; one test reads a real offline run's transaction log."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -29,6 +30,10 @@ class StandInRun:
     def log(self, data: dict) -> None:
         self.steps.append(data)
 
+    def finish(self, exit_code: int | None = None) -> None:
+        print("wandb: Run history: ...", file=sys.stderr)  # W&B's footer
+        self.exit_code = exit_code
+
 
 class StandInTable:
     def __init__(self, columns, data):
@@ -39,7 +44,8 @@ class StandInTable:
 def stand_in_wandb(monkeypatch):
     plot = types.SimpleNamespace(line=lambda table, x, y, title: ("line", title),
                                  bar=lambda table, x, y, title: ("bar", title))
-    module = types.SimpleNamespace(Table=StandInTable, plot=plot)
+    module = types.SimpleNamespace(Table=StandInTable, plot=plot, Settings=dict, opened=[])
+    module.init = lambda **kwargs: module.opened.append((kwargs, StandInRun())) or module.opened[-1][1]
     monkeypatch.setitem(sys.modules, "wandb", module)
     return module
 
@@ -93,6 +99,19 @@ def test_numbers_go_to_the_summary_and_charts_and_tables_to_one_step(tmp_path, s
     (step,) = run.steps
     assert set(step) == {"effective_tokens_per_layer", "tpot_breakdown", "predictions"}
     assert not any(isinstance(v, (int, float)) for v in step.values())
+
+
+@pytest.mark.parametrize("error,exit_code", [(KeyboardInterrupt, 130), (ValueError, 1), (None, None)])
+def test_an_interrupted_run_is_marked_failed_without_w_and_b_output(tmp_path, stand_in_wandb, capsys, error,
+                                                                     exit_code):
+    cfg, run_dir = fixture_run(tmp_path)
+    with pytest.raises(error) if error else contextlib.nullcontext():
+        with wandb_log.session(cfg, run_dir) as run:
+            if error:
+                raise error
+    (kwargs, opened), = stand_in_wandb.opened
+    assert opened is run and opened.exit_code == exit_code and kwargs["name"] == run_dir.name
+    assert (capsys.readouterr().err == "") == (error is not None)
 
 
 def test_live_sample_steps_stay_in_the_history():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -153,7 +154,8 @@ def sample_scalars(row: dict, done: int) -> dict:
 @contextlib.contextmanager
 def session(cfg: dict, run_dir: Path):
     """The W&B run of a run directory, open for the whole evaluation (``None`` when W&B is disabled): samples
-    log as they finish (:func:`sample_scalars`), then :func:`log_run` adds the summary and tables to it."""
+    log as they finish (:func:`sample_scalars`), then :func:`log_run` adds the summary and tables to it. An
+    exception (Ctrl-C, a user error) marks the W&B run failed without W&B's traceback and footer."""
     if not enabled(cfg):
         yield None
         return
@@ -162,9 +164,16 @@ def session(cfg: dict, run_dir: Path):
     run_dir = Path(run_dir)
     config = {k: v for k, v in cfg.items() if k not in NOT_LOGGED}
     wb = cfg.get("wandb") or {}
-    with wandb.init(**run_names(cfg, run_dir), id=run_id(run_dir), resume="allow", mode=wb.get("mode"), job_type="eval",
-                    config={**config, "run_dir": str(run_dir)}, settings=wandb.Settings(console="off")) as run:
+    run = wandb.init(**run_names(cfg, run_dir), id=run_id(run_dir), resume="allow", mode=wb.get("mode"),
+                     job_type="eval", config={**config, "run_dir": str(run_dir)},
+                     settings=wandb.Settings(console="off"))
+    try:
         yield run
+    except BaseException as err:  # Ctrl-C, a user error: the caller says it in one line, W&B adds nothing
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            run.finish(exit_code=130 if isinstance(err, KeyboardInterrupt) else 1)
+        raise
+    run.finish()
 
 
 def log_run(cfg: dict, run_dir: Path, run=None) -> str | None:
