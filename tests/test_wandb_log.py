@@ -102,15 +102,16 @@ def test_numbers_go_to_the_summary_and_charts_and_tables_to_one_step(tmp_path, s
 
 
 @pytest.mark.parametrize("error,exit_code", [(KeyboardInterrupt, 130), (ValueError, 1), (None, None)])
-def test_an_interrupted_run_is_marked_failed_without_w_and_b_output(tmp_path, stand_in_wandb, capsys, error,
-                                                                     exit_code):
+def test_an_interrupted_run_is_marked_failed_without_w_and_b_output(tmp_path, stand_in_wandb, monkeypatch, capsys,
+                                                                     error, exit_code):
+    """``log_run`` with no open W&B run opens its own; an exception inside it finishes that run as failed."""
     cfg, run_dir = fixture_run(tmp_path)
+    if error:
+        monkeypatch.setattr(wandb_log, "read_results", lambda run_dir: (_ for _ in ()).throw(error()))
     with pytest.raises(error) if error else contextlib.nullcontext():
-        with wandb_log.session(cfg, run_dir) as run:
-            if error:
-                raise error
+        wandb_log.log_run(cfg, run_dir)
     (kwargs, opened), = stand_in_wandb.opened
-    assert opened is run and opened.exit_code == exit_code and kwargs["name"] == run_dir.name
+    assert opened.exit_code == exit_code and kwargs["name"] == run_dir.name
     assert (capsys.readouterr().err == "") == (error is not None)
 
 
