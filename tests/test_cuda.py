@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import METHOD_CASES, generate_reference, skip_without_requirement
+from helpers import generate_reference, method_case, skip_without_requirement
 
 from evals.registry import METHODS, make_cache, make_method
 from evals.models import tiny_config
@@ -31,10 +31,6 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA device")]
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="a CUDA-only property (ICECACHE_CUDA_TESTS_DEVICE=cpu)")
 
-# (budget, hyperparameters, prompt length) covering prompt + 8 new tokens: the contract table's settings, which
-# the CPU equality tests of each method use
-COVERING = {case.name: (case.covering.get("budget"), {k: v for k, v in case.covering.items() if k != "budget"},
-                        case.prompt_len) for case in METHOD_CASES}  # the contract table's rows (tests/helpers.py)
 NEW = 8
 # bf16 keeps 8 significant bits: two correct bf16 computations of the same logits that differ in kernels
 # and summation order (sdpa vs. our gather-and-attend) differ by a few units in the last place, amplified
@@ -75,8 +71,22 @@ def top2_margin(logits: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ equality with full attention (bf16)
-def test_covering_table_names_every_method():
-    assert set(COVERING) == set(METHODS)
+def covering(method: str) -> tuple[int | None, dict, int]:
+    """(budget, hyperparameters, prompt length) covering the prompt + :data:`NEW` tokens: the contract case of
+    every registered method (tests/helpers.py ``method_case``: its row, else the case derived from its class),
+    which the CPU equality tests of each method use."""
+    case = method_case(method)
+    assert case.new_tokens == NEW, f"{method}: its contract case covers {case.new_tokens} new tokens, not {NEW}"
+    return case.covering.get("budget"), {k: v for k, v in case.covering.items() if k != "budget"}, case.prompt_len
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_covering_case_of_every_method_configures_it(method):
+    """Every registered method's covering case configures it (the bf16 equality below runs on each)."""
+    budget, hp, _ = covering(method)
+    skip_without_requirement(method)
+    built = make_method(method, budget=budget, debug=True, **hp)
+    assert built.budget == budget, f"{method}: built with budget {built.budget}, not its case's {budget}"
 
 
 def decided_steps(ref, atol: float) -> int:
@@ -102,12 +112,12 @@ def reference_with_most_decided_steps(model, prompt_len: int, seeds=range(16)):
 
 
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen3"])
-@pytest.mark.parametrize("method", list(COVERING))
+@pytest.mark.parametrize("method", list(METHODS))
 def test_covering_budget_equals_full_attention_in_bf16(method, model_name):
     """Along the reference's tokens the logits are within the bf16 tolerance of full attention's at every
     step, and free-running greedy generation through the method's cache gives the reference's tokens at
     every decided step (:func:`decided_steps`; the prompt is the one of 16 seeds with the most of them)."""
-    budget, hp, prompt_len = COVERING[method]
+    budget, hp, prompt_len = covering(method)
     skip_without_requirement(method)
     model = build(model_name)
     ids, ref, atol, decided = reference_with_most_decided_steps(model, prompt_len)
