@@ -34,6 +34,7 @@ from .task import DataError, resolve_budget
 from .config import ConfigError, check_config, check_results_dir
 from .registry import make_method, suite_class
 from .runner import generate
+from .output.schema import limit_warning
 from .output.timing import peak_memory_bytes, pool_timing, provenance, run_environment
 
 REPO_ROOT = results.REPO_ROOT
@@ -127,9 +128,12 @@ def run_eval(cfg: dict, config_yaml: str = "", on_row=None) -> Path:
     if not samples:
         raise DataError(f"eval '{cfg['eval']['name']}' has no samples (empty data file or task list); "
                         f"data_dir={cfg.get('data_dir')}")
+    n_total = suite.n_total()
+    if cfg.get("limit") is not None:
+        print(limit_warning(cfg["limit"], len(samples), n_total), file=sys.stderr, flush=True)
     run = results.RunDir(p.run_dir, cfg, config_yaml or yaml.safe_dump(cfg, sort_keys=False))
     try:
-        _run(p, suite, samples, run, on_row)
+        _run(p, suite, samples, run, on_row, n_total)
     except BaseException:
         run.discard_if_empty()
         raise
@@ -171,8 +175,9 @@ def _recall_up_to_date(run_dir: Path, rows: list[dict]) -> bool:
     return (pooled or {}).get("n_samples", 0) == sum(1 for r in rows if r.get("recall"))
 
 
-def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
-    """Generates the samples not yet in ``run``, then (re)computes metrics and timing from all its rows."""
+def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row, n_total: int | None) -> None:
+    """Generates the samples not yet in ``run``, then (re)computes metrics and timing from all its rows;
+    metrics.json records the run's ``limit`` and the suite's ``n_total`` (:func:`~evals.output.schema.run_status`)."""
     cfg = p.cfg
     todo = [s for s in samples if s.id not in run.done_ids()]
     # Optional W&B logging (a no-op unless wandb.enabled=true): samples log as they finish, then the run's
@@ -183,7 +188,8 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
         if todo or stale:
             results.write_json(p.run_dir / results.RESOLVED, resolved_record(p, suite))
             _generate_rows(p, suite, todo, run, _with_live_log(on_row, wb, len(run.rows)))
-            results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version})
+            results.write_json(p.run_dir / "metrics.json", {**suite.aggregate(run.rows), "version": suite.version,
+                                                             "limit": cfg.get("limit"), "n_total": n_total})
             covered = sum(bool((r.get("timing") or {}).get("budget_covers_context")) for r in run.rows)
             results.write_json(p.run_dir / "timing.json",
                                {**pool_timing(run.rows, cfg), "prefill": prefill_cache.prefill_counts(run.rows),
@@ -195,8 +201,8 @@ def _run(p: Plan, suite, samples: list, run: results.RunDir, on_row) -> None:
             if cfg.get("diagnostics"):
                 results.write_json(p.run_dir / "recall.json", pool_recall(run.rows))
         if len(run.rows) > len(samples):
-            print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (limit="
-                  f"{cfg.get('limit')} selects the first {len(samples)})", file=sys.stderr)
+            print(f"note: {p.run_dir} holds {len(run.rows)} samples and its metrics cover all of them (the suite "
+                  f"now selects {len(samples)})", file=sys.stderr)
         wandb_log.log_run(cfg, p.run_dir, wb)
 
 

@@ -1,5 +1,10 @@
 """What every suite implements (lm-evaluation-harness style: found by name, per-sample rows, ``limit``).
 
+``limit`` caps the samples of each task (passkey: each length; RULER: each task at each length). Where a task's
+samples lie on a grid that matters (passkey's depths) the ones kept are spread over it (:func:`spread`), never
+its first points only; data files keep their first rows. A limited run is a run of its own (its run directory
+and ``config_hash`` name the limit) and :meth:`Suite.n_total` says how many samples the whole suite has.
+
 A suite turns its data into :class:`Sample` objects — token ids, because truncation and chat templates
 are part of each benchmark's protocol — and scores the generated text. The runner (``evals/runner.py``)
 owns the model: it prefills ``prompt_ids``, feeds ``decode_ids`` one token at a time through the decode
@@ -88,6 +93,11 @@ class Suite:
     def samples(self) -> Iterator[Sample]:
         raise NotImplementedError
 
+    def n_total(self) -> int | None:
+        """The samples of the whole suite as configured, ``limit`` aside (what a limited run is part of),
+        counted without building them; None for a suite that cannot count them."""
+        return None
+
     def score(self, sample: Sample, prediction: str, generate: GenerateFn | None = None) -> dict[str, float]:
         """Per-sample metric values on a 0-1 (or 0-100, as the suite documents) scale."""
         raise NotImplementedError
@@ -154,6 +164,21 @@ def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: in
     if value >= 1 and value == int(value):
         return int(value)
     raise ValueError(f"budget must be a fraction in (0, 1) of the prompt or a whole number of tokens, got {budget}")
+
+
+def spread(n_items: int, count: int | None) -> list[int]:
+    """Indices of ``count`` of ``n_items`` items spread evenly over them, each the middle of its share
+    (``(2 i + 1) * n_items // (2 count)``), in order, distinct; every index when ``count`` is None or at least
+    ``n_items``. One item is the middle one (never the first of several)."""
+    if count is None or count >= n_items:
+        return list(range(n_items))
+    return [(2 * i + 1) * n_items // (2 * count) for i in range(count)]
+
+
+def count_jsonl(path: Path) -> int:
+    """The non-blank lines of a JSON-lines file (its rows), counted without parsing them."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> Iterator[tuple[int, int, dict]]:

@@ -51,23 +51,7 @@ def never(row):
     raise AssertionError(f"sample {row['id']} was computed again")
 
 
-# ---------------------------------------------------------------- 1. limit never rewrites a finished run
-def test_limit_rerun_keeps_the_finished_metrics(tmp_path):
-    run_dir = run_eval(tiny_cfg(tmp_path))
-    finished = metrics(run_dir)
-    assert finished["n_samples"] == 3
-    assert run_eval(tiny_cfg(tmp_path, limit=1), on_row=never) == run_dir
-    assert metrics(run_dir) == finished
-    assert run_eval(tiny_cfg(tmp_path), on_row=never) == run_dir and metrics(run_dir) == finished
-
-
-def test_limited_run_is_a_prefix_the_full_run_completes(tmp_path):
-    run_dir = run_eval(tiny_cfg(tmp_path / "a", limit=1))
-    assert metrics(run_dir)["n_samples"] == 1
-    computed = []
-    run_eval(tiny_cfg(tmp_path / "a"), on_row=lambda r: computed.append(r["id"]))
-    assert len(computed) == 2 and metrics(run_dir)["n_samples"] == 3
-    assert metrics(run_dir) == metrics(run_eval(tiny_cfg(tmp_path / "b")))
+# ---------------------------------------------------------------- 1. limit: a run of its own (tests/test_limit.py)
 
 
 # ---------------------------------------------------------------- 3. a corrupt middle line is quarantined

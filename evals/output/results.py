@@ -1,12 +1,13 @@
 """Run directories: one per (eval, model, cache, budget, other overrides), derived from the config.
 
-Layout: ``<results_dir>/<eval>/<model>/<cache>-b<budget>-<hash of other settings>/`` holding
+Layout: ``<results_dir>/<eval>/<model>/<cache>-b<budget>[-limit<N>]-<hash of other settings>/`` holding
 ``predictions.jsonl`` (appended, flushed and fsynced per sample; a rerun skips finished ids),
 ``metrics.json``, ``timing.json`` and ``config.yaml`` (atomic writes, readable by the group and others
 as the umask allows). A directory written by a different config is never reused: ``config_hash`` is
-checked. ``limit`` is not part of a run's identity: every suite's ``limit`` selects a prefix of its
-samples, so a limited run computes the first samples of the full run, and the metrics are always
-recomputed from every row present (a ``limit=3`` rerun of a finished run changes nothing).
+checked. ``limit`` selects the samples, so it is part of a run's identity when set: a limited run has a
+directory of its own (``-limit<N>`` in its name, the limit in its hash) and never mixes with the whole run,
+and a rerun with the same limit resumes it; a run without limit keeps the identity it had before ``limit``
+counted (:data:`SET_ONLY`).
 
 Provenance: ``resolved.json`` records what ran (:func:`resolved_record`): the method as constructed (every
 init field after its presets resolved), the suite's options, the model's path and checksum, and the commit,
@@ -36,7 +37,9 @@ from dataclasses import fields
 from pathlib import Path
 
 # Settings that do not change what a run computes, hence not part of its identity.
-NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "limit")
+NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile")
+# Settings that are part of a run's identity only when set (None: the default, left out of the identity).
+SET_ONLY = ("limit",)
 QUARANTINE = "predictions.quarantine.jsonl"
 RESOLVED = "resolved.json"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,11 +64,13 @@ def canonical(value):
 
 def _semantic(cfg: dict, drop: tuple[str, ...] = ()) -> str:
     """The settings that define what a run computes, as canonical JSON: the config without
-    :data:`NON_SEMANTIC` keys, its ``cache`` group replaced by the method's resolved fields."""
+    :data:`NON_SEMANTIC` keys (nor :data:`SET_ONLY` keys that are None), its ``cache`` group replaced by the
+    method's resolved fields."""
     method = resolved_method(cfg) if isinstance(cfg.get("cache"), dict) else None
     if method is not None:
         cfg = dict(cfg, cache={k: v for k, v in method.items() if k not in METHOD_TOP_LEVEL})
-    kept = {k: v for k, v in canonical(cfg).items() if k not in NON_SEMANTIC and k not in drop}
+    kept = {k: v for k, v in canonical(cfg).items()
+            if k not in NON_SEMANTIC and k not in drop and not (k in SET_ONLY and v is None)}
     return json.dumps(kept, sort_keys=True, default=str)
 
 
@@ -75,8 +80,9 @@ def config_hash(cfg: dict) -> str:
 
 def run_dir_for(cfg: dict) -> Path:
     """The run directory of a resolved config (plain dict with ``eval``, ``model``, ``cache`` groups)."""
-    budget = canonical(cfg.get("budget"))
+    budget, limit = canonical(cfg.get("budget")), canonical(cfg.get("limit"))
     name = f"{cfg['cache']['name']}-b{budget if budget is not None else 'none'}"
+    name += f"-limit{limit}" if limit is not None else ""
     name += "-" + hashlib.sha256(_semantic(cfg, drop=("budget",)).encode()).hexdigest()[:8]
     return Path(cfg["results_dir"]) / cfg["eval"]["name"] / cfg["model"]["name"] / name
 

@@ -17,6 +17,8 @@ class Metrics(TypedDict, total=False):
     tasks: dict[str, float]  # per-task scores, 0-100
     n_samples: int
     version: int  # Suite.version when the run was written (absent in runs written before it existed)
+    limit: int | None  # the run's limit (samples per task); None: the whole suite (absent in older runs)
+    n_total: int | None  # samples of the whole suite (Suite.n_total); None: the suite cannot count them
     # suite-specific extras: groups (RULER), lengths (RULER, latency), skipped (RULER), ...
 
 
@@ -116,3 +118,52 @@ def _layer_mean(values: list) -> float | None:
     """Mean of the per-layer values that are not None (None when no layer has one)."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
+
+
+def run_status(metrics: Metrics | None, timing: Timing | None, limit: int | None = None) -> str:
+    """``incomplete`` (no metrics or timing yet), ``complete`` (the suite's whole data set ran) or
+    ``partial (limit=N)``: a limited run that left samples of the suite out (``n_samples < n_total``, or a
+    total the suite cannot count). ``limit``: the config's, for runs whose metrics do not record it."""
+    if metrics is None or timing is None:
+        return "incomplete"
+    limit = metrics.get("limit", limit)
+    n, total = metrics.get("n_samples"), metrics.get("n_total")
+    if limit is None or (total is not None and n is not None and n >= total):
+        return "complete"
+    return f"partial (limit={limit})"
+
+
+def limit_warning(limit: int, n: int, n_total: int | None) -> str:
+    """The line every run with ``limit`` prints (stderr) when it starts and with its results: how many of the
+    suite's samples it ran, and that its scores are not those of the whole suite."""
+    if n_total is not None and n >= n_total:
+        return (f"WARNING: limit={limit}: all {n_total:,} samples of the suite; the run is stored apart from the "
+                "run without limit")
+    part = f"{n:,} samples of a larger suite" if n_total is None else f"{n:,} of {n_total:,} samples"
+    return f"WARNING: limit={limit}: {part}; scores are not comparable to full runs"
+
+
+def commit_text(timing: dict | None, resolved: dict | None) -> str | None:
+    """The commit(s) whose code wrote a run's rows (``timing.json``'s ``commits``; before metrics exist the
+    ``resolved.json`` provenance), 12 hex digits each, ``-dirty`` when tracked files were modified; None for
+    a run written before commits were recorded."""
+    versions = (timing or {}).get("commits")
+    if not versions and isinstance((resolved or {}).get("provenance"), dict):
+        prov = resolved["provenance"]
+        versions = [f"{prov.get('commit', 'unknown')}{'-dirty' if prov.get('dirty') is True else ''}"]
+    if not versions:
+        return None
+    return " ".join(sha[:12] + sep + rest for sha, sep, rest in (v.partition("-") for v in versions))
+
+
+def sample_count(n, n_total) -> str:
+    """A run's samples as the summary's console shows them: ``n``, or ``n/n_total`` when a limit left some of the
+    suite out; empty for a run without metrics (a missing number: None or NaN)."""
+    def known(x) -> bool:
+        try:
+            return x is not None and bool(x == x)
+        except TypeError:  # pandas' NA
+            return False
+    if not known(n):
+        return ""
+    return f"{int(n)}/{int(n_total)}" if known(n_total) and n < n_total else str(int(n))

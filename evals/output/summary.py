@@ -13,7 +13,9 @@ part of the run's ``variant`` text, so figures never merge two different experim
 label but whose methods were built differently (``resolved.json``: a default or preset changed between the
 commits that wrote them) are told apart by the resolved fields that differ (:func:`split_by_resolved`), so
 two configurations are never pooled under one label. Run directories
-that are still being written (no ``metrics.json`` yet) are listed with ``status=incomplete``; a run whose
+that are still being written (no ``metrics.json`` yet) are listed with ``status=incomplete``, a run with
+``limit`` that left samples of its suite out with ``status=partial (limit=N)`` (columns ``limit``, ``n_total``;
+its variant names the limit, and the console's ``n`` reads ``n/n_total``); a run whose
 ``config.yaml`` cannot be read is skipped with a one-line warning. Suites whose score is not a quality
 number (latency: ``score_name: tpot_ms``) leave ``score`` empty and fill a column of that name.
 
@@ -55,8 +57,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from .results import METHOD_TOP_LEVEL, NON_SEMANTIC, canonical, load_predictions, read_resolved
-from .schema import read_recall, read_results, recall_columns, score_columns, timing_columns
+from .results import METHOD_TOP_LEVEL, NON_SEMANTIC, SET_ONLY, canonical, load_predictions, read_resolved
+from .schema import (commit_text, limit_warning, read_recall, read_results, recall_columns, run_status,
+                     sample_count, score_columns, timing_columns)
 
 KEYS = ("eval", "model", "cache")  # with budget: the named axes of every figure
 DRAWS, SEED, LEVEL = 2000, 0, 0.95  # bootstrap resamples, their seed, the confidence level
@@ -65,7 +68,8 @@ INTERVAL_COLUMNS = ("score_ci_low", "score_ci_high", "n", "diff_to_full", "diff_
 # (LongBench, RULER) may round the other way when numpy sums in another order than the suite
 SCORE_TOLERANCE = 0.01
 # settings that do not change which samples a run answers nor the answers: a full cache run is paired across them
-PAIRING_IGNORED = ("prefill_cache", "prefill_cache_max_gb", "diagnostics")
+# (a limited run pairs with the full cache run that shares most of its samples, limited or not)
+PAIRING_IGNORED = ("prefill_cache", "prefill_cache_max_gb", "diagnostics", "limit")
 
 
 def read_config(run_dir: Path) -> dict | None:
@@ -86,7 +90,7 @@ def settings(cfg: dict) -> dict:
     from the named axes (eval, model and cache names, budget)."""
     flat = {}
     for key, value in canonical(cfg).items():
-        if key in NON_SEMANTIC or key == "budget":
+        if key in NON_SEMANTIC or key == "budget" or (key in SET_ONLY and value is None):
             continue
         if isinstance(value, dict):
             flat.update({f"{key}.{k}": v for k, v in value.items() if k != "name" or key not in KEYS})
@@ -98,25 +102,13 @@ def settings(cfg: dict) -> dict:
 def run_row(run_dir: Path, cfg: dict, resolved: dict | None = None) -> dict:
     metrics, timing = read_results(run_dir)
     row = {**{k: cfg.get(k, {}).get("name") for k in KEYS}, "budget": canonical(cfg.get("budget")),
-           "seed": cfg.get("seed"), "commit": commit_text(timing, resolved), "run_dir": str(run_dir)}
-    if metrics is None or timing is None:
-        return {**row, "status": "incomplete"}
-    row.update({"status": "complete", **score_columns(metrics), "n_samples": metrics.get("n_samples")})
+           "seed": cfg.get("seed"), "limit": cfg.get("limit"), "commit": commit_text(timing, resolved),
+           "run_dir": str(run_dir), "status": run_status(metrics, timing, cfg.get("limit"))}
+    if row["status"] == "incomplete":
+        return row
+    row.update({**score_columns(metrics), "n_samples": metrics.get("n_samples"), "n_total": metrics.get("n_total")})
     row["budget_covers_context"] = timing.get("budget_covers_context")  # samples that ran as full attention
     return {**row, **timing_columns(timing), **recall_columns(read_recall(run_dir))}
-
-
-def commit_text(timing: dict | None, resolved: dict | None) -> str | None:
-    """The commit(s) whose code wrote a run's rows (``timing.json``'s ``commits``; before metrics exist the
-    ``resolved.json`` provenance), 12 hex digits each, ``-dirty`` when tracked files were modified; None for
-    a run written before commits were recorded."""
-    versions = (timing or {}).get("commits")
-    if not versions and isinstance((resolved or {}).get("provenance"), dict):
-        prov = resolved["provenance"]
-        versions = [f"{prov.get('commit', 'unknown')}{'-dirty' if prov.get('dirty') is True else ''}"]
-    if not versions:
-        return None
-    return " ".join(sha[:12] + sep + rest for sha, sep, rest in (v.partition("-") for v in versions))
 
 
 def resolved_settings(resolved: dict | None) -> dict | None:
@@ -328,12 +320,12 @@ def _pairing_key(row: dict, flat: dict) -> tuple:
 
 
 def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED) -> None:
-    """Fills :data:`INTERVAL_COLUMNS` of every complete run whose eval has a quality score (the module
+    """Fills :data:`INTERVAL_COLUMNS` of every finished run whose eval has a quality score (the module
     docstring says what each is), reading each run's ``predictions.jsonl``; the others keep them empty."""
     loaded: dict[int, list[dict]] = {}
     for i, row in enumerate(rows):
         aggregate = AGGREGATES.get(row["eval"], TASK_MEAN)
-        if row.get("status") != "complete" or aggregate is None or row.get("score") is None:
+        if row.get("status", "incomplete") == "incomplete" or aggregate is None or row.get("score") is None:
             continue
         preds = load_predictions(Path(row["run_dir"]) / "predictions.jsonl")
         try:
@@ -375,13 +367,14 @@ def collect(results_dir: str | Path, draws: int = DRAWS, seed: int = SEED) -> pd
             methods.append(resolved_settings(resolved))
     for row, f, keys in zip(rows, flat, differing_settings(rows, flat)):
         row.update({k: f.get(k) for k in sorted(keys)})
-        row["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={_text(f.get(k))}" for k in sorted(keys))
+        row["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={_text(f.get(k))}" for k in sorted(keys)
+                                   if k not in SET_ONLY or f.get(k) is not None)  # a whole run: no "limit=null"
     split_by_resolved(rows, methods)
     if draws > 0:
         add_intervals(rows, flat, draws, seed)
     if rows:
         frame = pd.DataFrame(rows)
-        for count in ("n", "n_paired"):  # sample counts stay integers beside runs without an interval
+        for count in ("n", "n_paired", "limit", "n_total"):  # counts stay integers beside runs without one
             if count in frame:
                 frame[count] = frame[count].astype("Int64")
         if "score" in frame:  # the intervals beside the score they qualify
@@ -414,6 +407,8 @@ def print_run(run_dir: Path) -> None:
     print(f"TTFT {ms(timing['ttft_s'])}  TT2T {ms(timing['tt2t_s'])}  TPOT {ms(timing['tpot_s'])} "
           f"(p50 {ms(timing['tpot_p50_s'])}, p90 {ms(timing['tpot_p90_s'])})  " +
           "  ".join(f"{k} {ms(v)}" for k, v in timing.get("breakdown", {}).items()))
+    if metrics.get("limit") is not None:
+        print(limit_warning(metrics["limit"], metrics.get("n_samples", 0), metrics.get("n_total")), file=sys.stderr)
 
 
 def main(argv=None) -> None:
@@ -429,9 +424,11 @@ def main(argv=None) -> None:
     out = write_summary(args.results_dir, frame)
     cols = [c for c in ("eval", "model", "cache", "budget", "variant", "score", *INTERVAL_COLUMNS, "tt2t_s",
                         "tpot_s", "commit", "status")
-            if c in frame]
-    shown = frame[cols].round({c: 2 for c in ("score", "score_ci_low", "score_ci_high", "diff_to_full",
-                                               "diff_ci_low", "diff_ci_high")})
+            if c in frame or c == "n"]
+    missing = pd.Series([None] * len(frame), index=frame.index, dtype=object)
+    counts = [sample_count(n, t) for n, t in zip(frame.get("n_samples", missing), frame.get("n_total", missing))]
+    shown = frame.assign(n=counts)[cols].round({c: 2 for c in ("score", "score_ci_low", "score_ci_high",
+                                                               "diff_to_full", "diff_ci_low", "diff_ci_high")})
     print(shown.to_string(index=False) if len(frame) else f"no run directories under {args.results_dir}")
     print(f"summary: {out}")
 

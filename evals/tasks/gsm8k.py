@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..task import DataError, Sample, Suite, read_jsonl
+from ..task import DataError, Sample, Suite, count_jsonl, read_jsonl
 
 PROTOCOLS = ("pqcache", "lm_eval")
 PQCACHE_SPLIT = "\nQuestion: "
@@ -120,6 +120,9 @@ class GSM8K(Suite):
         self.test_path = self.require_file("gsm8k/test.jsonl")
         self.cot_prompt = (self.require_file("gsm8k/cot_prompt_10shot.txt").read_text(encoding="utf-8")
                            if protocol == "pqcache" else None)
+
+    def n_total(self) -> int:
+        return count_jsonl(self.test_path)
 
     def problems(self) -> Iterator[tuple[int, dict]]:
         """``(index, row)`` for the first ``limit`` problems, validated."""

@@ -140,6 +140,10 @@ class LongGenBench(Suite):
                              f"valid: {sorted(present)}")
         return data
 
+    def n_total(self) -> int:
+        """The items of the selected types (``limit`` aside)."""
+        return sum(1 for item in self.items() if not self.types or item["type"] in self.types)
+
     def samples(self) -> Iterator[Sample]:
         taken: dict[str, int] = {}
         for index, item in enumerate(self.items()):

@@ -17,7 +17,8 @@ prompt has about that many tokens); ``chars`` = ``n_garbage`` in characters, as 
 
 Depths: a list of relative positions, or a number ``n`` of them on ``depth_grid``: ``linear`` = ``i / n`` for
 i = 0..n-1 (IceCache ``loc = i / num_tests``), ``quest`` = ``100 // n * (k + 1)`` percent for k = 0..n-1 (Quest's
-``depth_ratio``; ``n_prefix = int(n_garbage * depth_ratio / 100)``).
+``depth_ratio``; ``n_prefix = int(n_garbage * depth_ratio / 100)``). ``limit`` keeps that many depths per length,
+spread over the depths (the middle one for ``limit=1``).
 
 Where the final question goes (``question_via_decode``):
 - ``False`` (default): appended to the prompt and prefilled, as IceCache's ``passkey_pred.py`` does (its
@@ -50,7 +51,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..task import GARBAGE, Sample, Suite
+from ..task import GARBAGE, Sample, Suite, spread
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -160,11 +161,17 @@ class Passkey(Suite):
         return [[random.Random(self.seed + 1000 * li + di).randint(1, 50000) for di in range(len(self.depths))]
                 for li in range(len(self.lengths))]
 
+    def n_total(self) -> int:
+        return len(self.lengths) * len(self.depths)
+
     def samples(self) -> Iterator[Sample]:
+        """One sample per (length, depth); with ``limit``, that many depths per length spread over the grid
+        (:func:`~evals.task.spread`: ``limit=1`` is the middle depth, never depth 0, where the key sits among
+        the attention sinks every method keeps)."""
         keys = self.pass_keys()
         for li, length in enumerate(self.lengths):
-            for di, (depth, percent) in enumerate(self.depths[: self.limit]):
-                pass_key = keys[li][di]
+            for di in spread(len(self.depths), self.limit):
+                (depth, percent), pass_key = self.depths[di], keys[li][di]
                 if self.length_unit == "tokens":
                     text, ids = self.fit(length, depth, pass_key, percent)
                 else:

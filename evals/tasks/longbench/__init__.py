@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ...task import DataError, Sample, Suite, chat_text, read_jsonl
+from ...task import DataError, Sample, Suite, chat_text, count_jsonl, read_jsonl
 from .metrics import score_prediction
 from .templates import LONGBENCH_CHAT_FORMATS, inst_prompt, vicuna_prompt
 
@@ -143,8 +143,22 @@ class LongBench(Suite):
             folder = self.data_dir / SAMPLE_DIR
         return folder
 
+    def n_total(self) -> int:
+        """The rows of every selected task (4,750 for the 16 English tasks of the full data)."""
+        return sum(self.task_size(task) for task in self.tasks)
+
+    def task_size(self, task: str) -> int:
+        """The rows of ``task``'s data file (or, without one, of its ``hf_dataset`` test split)."""
+        path = self.folder / f"{task}.jsonl"
+        if path.exists():
+            return count_jsonl(path)
+        from datasets import load_dataset
+
+        return len(load_dataset(self.hf_dataset, task, split="test"))
+
     def rows(self, task: str) -> Iterator[tuple[int, dict, str]]:
-        """``(index, row, source)`` for the first ``limit`` rows of ``task``, validated; ``source`` is the
+        """``(index, row, source)`` for the first ``limit`` rows of ``task`` (a limited run spreads over every
+        task, ``limit`` rows each), validated; ``source`` is the
         data folder's name (``longbench`` or ``longbench_sample``) or ``hf:<dataset id>``."""
         path = self.folder / f"{task}.jsonl"
         if path.exists():

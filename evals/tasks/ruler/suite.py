@@ -135,7 +135,13 @@ class Ruler(Suite):
                     self.count, self.res)
         return GENERATORS[generator](cell, **args).samples(num)
 
+    def n_total(self) -> int:
+        """``num_samples`` per task (those not skipped) per length: the samples without ``limit``."""
+        return len([t for t in self.tasks if t not in self.skipped]) * len(self.lengths) * self.options.num_samples
+
     def samples(self) -> Iterator[Sample]:
+        """``num_samples`` (``limit`` caps it) per task per length: a limited run spreads over every task and
+        length; the first of a cell's samples, as each is an independent draw of its generator."""
         ww = version("wonderwords")
         for length in self.lengths:
             for task in self.tasks:
