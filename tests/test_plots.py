@@ -250,3 +250,16 @@ def test_demo_bars_have_value_labels_from_zero_and_legend_below(tmp_path):
     fig.canvas.draw()
     assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0  # below the axes, off the bars
     assert "full, n=8" in legend_texts(fig)
+
+
+def test_labels_name_only_the_settings_that_tell_runs_apart(summary):
+    passkey = summary[summary["eval"] == "passkey"].copy()
+    passkey["variant"] = ["depths=3, lengths=[256, 512], seed=1" if c == "icecache" and b == 256 else
+                          "depths=3, lengths=[256, 512], seed=0" for c, b in zip(passkey["cache"], passkey["budget"])]
+    fig = plots.draw_accuracy_vs_budget(passkey)
+    assert {"icecache [seed=0] (n=4)", "icecache [seed=1] (n=4)", "streaming_llm [seed=0] (n=4)"} <= \
+        set(legend_texts(fig))
+    assert "all runs: depths=3, lengths=[256, 512]" in plot_style.footer_text(fig)
+    heat = passkey_plots.draw_passkey_heatmap(plots.passkey_panels(passkey))
+    assert "all runs: depths=3, lengths=[256, 512]" in plot_style.footer_text(heat)
+    assert "icecache b256 [seed=1]" in [ax.get_title().split(" (n=")[0] for ax in heat.axes]

@@ -105,8 +105,9 @@ def draw_passkey_heatmap(runs: dict[str, pd.DataFrame], title: str = ""):
     fig = _grid_figure(runs) if len(runs) <= MAX_PANELS else _matrix_figure(runs)
     fig.suptitle(title or "Passkey accuracy by length and depth", fontsize=10,
                  y=1 + 0.2 / fig.get_size_inches()[1])  # just above the panels' own titles
-    dirs = [cells["run_dir"].iat[0] for cells in runs.values() if "run_dir" in cells and len(cells)]
-    add_footer(fig, pd.DataFrame({"run_dir": dirs}), "cells: accuracy (%)")
+    sources = pd.concat([cells.head(1) for cells in runs.values() if "run_dir" in cells and len(cells)]
+                        or [pd.DataFrame(columns=["run_dir"])])
+    add_footer(fig, sources, "cells: accuracy (%)")
     return fig
 
 

@@ -5,6 +5,7 @@ as (runs whose sample counts differ are never one series), the rule that picks o
 """
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 
@@ -79,12 +80,26 @@ def covers_note(row) -> str:
     return COVERS if n is not None and covered >= n else f"{COVERS} in {covered}/{n if n is not None else '?'}"
 
 
+def setting_parts(variant: str) -> list[str]:
+    """``a=1, lengths=[256, 512]`` -> ``["a=1", "lengths=[256, 512]"]`` (commas inside values kept)."""
+    return [p for p in re.split(r", (?=[\w.]+=)", variant) if p]
+
+
+def without_shared(variants: list[str]) -> tuple[list[str], str]:
+    """The variants with the settings every one of them shares left out, and those shared settings as text:
+    labels name only what tells runs apart (the footer names the rest). Distinct variants stay distinct."""
+    parts = [setting_parts(v) for v in variants]
+    shared = [p for p in parts[0] if all(p in other for other in parts)] if parts else []
+    return [", ".join(p for p in ps if p not in shared) for ps in parts], ", ".join(shared)
+
+
 def prepared(frame: pd.DataFrame) -> pd.DataFrame:
-    """Numeric budgets, a ``variant`` text column and an ``n_drawn`` sample count per run, ordered full cache
-    first, then by method, variant and budget."""
+    """Numeric budgets, a ``variant`` text column (less the settings all runs share, kept in
+    ``shared_settings`` for the footer) and an ``n_drawn`` sample count per run, ordered full cache first,
+    then by method, variant and budget."""
     frame = frame.assign(budget=pd.to_numeric(frame["budget"], errors="coerce"))
-    variants = frame["variant"] if "variant" in frame else [""] * len(frame)
-    frame = frame.assign(variant=[variant_text(v) for v in variants],
+    variants, shared = without_shared([variant_text(v) for v in frame.get("variant", [""] * len(frame))])
+    frame = frame.assign(variant=variants, shared_settings=shared,
                          n_drawn=[sample_count(row) for _, row in frame.iterrows()])
     order = sorted(range(len(frame)), key=lambda i: (frame["cache"].iat[i] != "full", frame["cache"].iat[i],
                                                      frame["variant"].iat[i], frame["budget"].fillna(-1).iat[i]))
@@ -165,7 +180,8 @@ def provenance_footer(frame: pd.DataFrame) -> str:
 
 def add_footer(fig, frame: pd.DataFrame, extra: str = "") -> None:
     """The footer line under a figure: what n counts, dtype and hardware, and any note of the figure."""
-    parts = ["n = samples per run", provenance_footer(frame), extra]
+    shared = frame["shared_settings"].iat[0] if "shared_settings" in frame and len(frame) else ""
+    parts = ["n = samples per run", provenance_footer(frame), f"all runs: {shared}" if shared else "", extra]
     fig.text(0.01, 0.0, " | ".join(p for p in parts if p), ha="left", va="top", fontsize=7, color="#444444",
              gid=FOOTER)
 

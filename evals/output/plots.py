@@ -326,10 +326,11 @@ def decode_latency_vs_length(table: pd.DataFrame, out: Path, title: str = "") ->
 
 
 def passkey_panels(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The heat map's panels: label -> :func:`passkey_cells` per run (each panel states the n of its cells);
-    a run whose budget covered the prompt says so in its label."""
+    """The heat map's panels: label -> :func:`passkey_cells` per run (each panel states the n of its cells,
+    the footer the settings all runs share); a run whose budget covered the prompt says so in its label."""
     ordered, labels = labelled_runs(runs, with_n=False)
-    return {label: passkey_cells(row["run_dir"]) for label, (_, row) in zip(labels, ordered.iterrows())}
+    return {label: passkey_cells(row["run_dir"]).assign(shared_settings=row["shared_settings"])
+            for label, (_, row) in zip(labels, ordered.iterrows())}
 
 
 def figures(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
