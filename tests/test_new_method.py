@@ -14,6 +14,7 @@ from helpers import (MethodCase, check_covering_equals_full, check_small_budget_
 
 from evals.bench import decode
 from evals.registry import METHODS, make_method, method_class
+from test_official_defaults import library_methods
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,6 +90,7 @@ def test_a_registered_method_file_passes_the_contract_without_a_row(register):
     check_covering_equals_full(case)
     check_small_budget_holds(case)
     assert "toy_recent" in decode.parse_args([]).methods
+    assert "toy_recent" not in library_methods()  # a user's own method claims no paper: no official row needed
 
 
 def test_the_small_check_fails_a_method_over_its_budget(register, monkeypatch):
