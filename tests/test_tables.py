@@ -14,9 +14,10 @@ from evals.tasks.passkey import Passkey
 IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
 
 
-def write_run(root: Path, cache: str, budget: int, scores: list[float], stats: dict | None = None) -> Path:
+def write_run(root: Path, cache: str, budget: int, scores: list[float], stats: dict | None = None,
+              **options) -> Path:
     cfg = {"eval": {"name": "passkey", "lengths": [1024], "depths": 5}, "model": {"name": "tiny-llama"},
-           "cache": {"name": cache}, "budget": budget, "seed": 0, "results_dir": str(root)}
+           "cache": {"name": cache, **options}, "budget": budget, "seed": 0, "results_dir": str(root)}
     run_dir = results.run_dir_for(cfg)
     run = results.RunDir(run_dir, cfg, yaml.safe_dump(cfg))
     rows = [{"id": i, "task": "passkey_1024", "prediction": "", "reference": "", "scores": {"score": s},
@@ -37,6 +38,7 @@ def folder(tmp_path) -> Path:
               {"search_scored_fraction": [None, 0.2, 0.5], "search_nodes_expanded": [None, 10, 20]})
     write_run(root, "icecache", 128, [1, 1, 1, 1, 1], {"search_scored_fraction": [None, 0.1, 0.1]})
     write_run(root, "streaming_llm", 64, [0, 0, 0, 0, 0])
+    write_run(root, "topk", 64, [1, 1, 1, 1, 1], n_dense_layers=2, n_sink=0)  # n_sink=0 is topk's default
     return root
 
 
@@ -57,12 +59,13 @@ def test_table_has_each_method_budget_score_misses_and_search_fraction(folder):
     search = [line for line in lines if line.startswith("| icecache | 64 |")]
     assert search == ["| icecache | 64 | 0.350 | 15 |"]  # the mean over the layers reporting a value
     assert "| icecache | 128 | 0.100 | - |" in lines
+    assert any(line.startswith("| topk[n_dense_layers=2] | 100 [") for line in lines)  # non-default options only
 
 
 def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tmp_path):
     copy = tmp_path / "archived"
     written = archive.archive(folder, copy)
-    assert len(written) == 4
+    assert len(written) == 5
     for run_dir in written:
         rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
         assert rows and all("timing" not in r and "scores" in r for r in rows)

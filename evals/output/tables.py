@@ -13,11 +13,13 @@ common layer set where the runs were probed. Nothing is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from ..registry import method_class
 from .results import load_predictions
 from .summary import collect, read_config, settings
 
@@ -34,10 +36,23 @@ def _setting(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def method_label(row: pd.Series, cache_columns: list[str]) -> str:
-    """The method's name and the ``cache.*`` settings it was run with (e.g. ``topk[n_dense_layers=2]``)."""
-    extra = [f"{c.split('.', 1)[1]}={_setting(row[c])}" for c in cache_columns if not pd.isna(row[c])]
+def method_label(row: pd.Series) -> str:
+    """The method's name and every ``cache.*`` setting of its run that differs from the method's default
+    (e.g. ``topk[n_dense_layers=2]``), read from the run's ``config.yaml``."""
+    cfg = read_config(Path(row["run_dir"])) or {}
+    options = {k: v for k, v in (cfg.get("cache") or {}).items() if k != "name"}
+    defaults = method_defaults(str(row["cache"]))
+    extra = [f"{k}={_setting(v)}" for k, v in sorted(options.items()) if k in defaults and defaults[k] != v]
     return f"{row['cache']}[{', '.join(extra)}]" if extra else str(row["cache"])
+
+
+def method_defaults(name: str) -> dict:
+    """The default of each init field of a registered method's class ({} for a name the registry lacks)."""
+    try:
+        cls = method_class(name)
+    except Exception:  # a run of a method since removed or renamed: label it by its name alone
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.default is not dataclasses.MISSING}
 
 
 def score_entry(row: pd.Series) -> str:
@@ -72,8 +87,7 @@ def cells(frame: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
 
 def with_labels(group: pd.DataFrame) -> pd.DataFrame:
     """``group`` with a ``method`` column (:func:`method_label`)."""
-    cache_columns = sorted(c for c in group if c.startswith("cache.") and group[c].notna().any())
-    return group.assign(method=group.apply(method_label, axis=1, cache_columns=cache_columns))
+    return group.assign(method=group.apply(method_label, axis=1))
 
 
 def cell_table(group: pd.DataFrame) -> str:
