@@ -11,7 +11,8 @@ come anywhere on the command line (:func:`settings_first`). ``debug=true`` or
 ``HYDRA_FULL_ERROR=1`` shows the traceback. In a sweep (``-m``) a user error found while a job runs is also
 raised, so the launcher (basic or submitit) records that job as failed, the other jobs still run, and Hydra
 reports the failed overrides at the end (exit status 1). Ctrl-C prints one line (the run directory and how
-many samples it keeps; rerunning the same command resumes) and exits 130.
+many samples it keeps; rerunning the same command resumes) and exits 2, the status of every
+user-side stop (a script tells "the user stopped or mistyped it" from a crash by exit 2 alone).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 
 def _interrupted_at_start(signum, frame):
     print("interrupted before the run started: nothing was written", file=sys.stderr)
-    sys.exit(130)
+    sys.exit(2)
 
 
 if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds) is one line too
@@ -74,7 +75,7 @@ def main(cfg: DictConfig) -> str:
             raise
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the one line short
         print(interrupted(plain, multirun), file=sys.stderr)
-        sys.exit(130)
+        sys.exit(2)
     print_run(run_dir)
     print(f"results: {run_dir}")
     return str(run_dir)
@@ -287,4 +288,4 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # while Hydra composes, before main() starts the run
         print("interrupted before the run started: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(2)

@@ -101,7 +101,7 @@ def test_numbers_go_to_the_summary_and_charts_and_tables_to_one_step(tmp_path, s
     assert not any(isinstance(v, (int, float)) for v in step.values())
 
 
-@pytest.mark.parametrize("error,exit_code", [(KeyboardInterrupt, 130), (ValueError, 1), (None, None)])
+@pytest.mark.parametrize("error,exit_code", [(KeyboardInterrupt, 2), (ValueError, 1), (None, None)])
 def test_an_interrupted_run_is_marked_failed_without_w_and_b_output(tmp_path, stand_in_wandb, monkeypatch, capsys,
                                                                      error, exit_code):
     """``log_run`` with no open W&B run opens its own; an exception inside it finishes that run as failed."""

@@ -171,7 +171,7 @@ def session(cfg: dict, run_dir: Path):
         yield run
     except BaseException as err:  # Ctrl-C, a user error: the caller says it in one line, W&B adds nothing
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            run.finish(exit_code=130 if isinstance(err, KeyboardInterrupt) else 1)
+            run.finish(exit_code=2 if isinstance(err, KeyboardInterrupt) else 1)
         raise
     run.finish()
 
