@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 
 def _interrupted_at_start(signum, frame):
@@ -28,10 +29,15 @@ def _interrupted_at_start(signum, frame):
 
 if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds) is one line too
     signal.signal(signal.SIGINT, _interrupted_at_start)
+    # Threads and OpenMP waiting, chosen from the load before torch and numba load (libgomp reads its
+    # environment then): alone every core, spinning; beside other busy processes or parallel sweep jobs a share
+    # of the cores, idle threads passive. threads=<n> and omp_wait=spin|passive force a choice; OMP_NUM_THREADS,
+    # OMP_WAIT_POLICY and GOMP_SPINCOUNT in the environment win (evals/threads.py, docs/benchmarks.md).
+    from evals import threads as _threads
+    _threads.at_startup(sys.argv[1:], Path(__file__).resolve().parent / "conf")
 
 import difflib  # noqa: E402
 import itertools  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -54,6 +60,7 @@ VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> str:
+    from evals import threads
     from evals.harness import USER_ERRORS, run_eval
     from evals.output.summary import print_run
 
@@ -62,6 +69,9 @@ def main(cfg: DictConfig) -> str:
     plain = None
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
+        adapted = threads.for_job(plain)  # this job's threads; omp_wait checked against the start-up's
+        if adapted:
+            print(adapted)
         run_dir = run_eval(plain)  # config.yaml records the validated config (device=auto resolved)
     except (*USER_ERRORS, OmegaConfBaseException) as err:
         if debug:

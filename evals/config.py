@@ -35,6 +35,7 @@ import torch
 
 from .output.results import canonical
 from .registry import METHODS, SUITES, method_class, suite_class
+from .threads import OMP_WAIT_CHOICES
 
 TOP_LEVEL = ("budget", "debug")  # KVMethod fields set by the top-level config, not the cache group
 
@@ -156,6 +157,16 @@ def _flag(key: str, v):
     if not isinstance(v, bool):
         raise ConfigError(f"{key} must be true or false, got {v!r}")
     return v
+
+
+def check_thread_settings(cfg: dict) -> None:
+    """``threads``: auto or a whole number >= 1; ``omp_wait``: auto, spin or passive (evals/threads.py)."""
+    threads = cfg.get("threads", "auto")
+    if threads != "auto" and (not _is_int(threads) or threads < 1):
+        raise ConfigError(f"threads must be auto or a whole number >= 1, got {threads!r}")
+    if cfg.get("omp_wait", "auto") not in OMP_WAIT_CHOICES:
+        raise ConfigError(f"omp_wait must be {', '.join(OMP_WAIT_CHOICES[:-1])} or {OMP_WAIT_CHOICES[-1]}, "
+                          f"got {cfg.get('omp_wait')!r}")
 
 
 def resolve_device(v) -> str:
@@ -341,6 +352,7 @@ def check_config(cfg: dict) -> dict:
     progress = cfg.get("progress", "auto")
     if not (progress == "auto" or isinstance(progress, bool)):
         raise ConfigError(f"progress must be auto, true or false, got {cfg.get('progress')!r}")
+    check_thread_settings(cfg)
     cfg["device"] = resolve_device(cfg.get("device", "auto"))
     for key in ("results_dir", "data_dir"):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):

@@ -37,7 +37,8 @@ from dataclasses import fields
 from pathlib import Path
 
 # Settings that do not change what a run computes, hence not part of its identity.
-NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile")
+NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "threads",
+                "omp_wait")
 # Settings that are part of a run's identity only when set (None: the default, left out of the identity).
 SET_ONLY = ("limit",)
 QUARANTINE = "predictions.quarantine.jsonl"

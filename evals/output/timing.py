@@ -17,6 +17,7 @@ import torch
 from icecache.hardware import cpu_info
 from icecache.kv.base import MEMORY_KEYS
 
+from .. import threads
 from ..models import dtype_record, resolve_dtype
 from .results import git_state
 from .schema import Timing
@@ -110,21 +111,21 @@ def environment(model) -> dict:
 
 def machine() -> dict:
     """Library versions and the machine: threads, torch, transformers, python, CPU (model name from
-    ``/proc/cpuinfo``, else the platform's), CPU count and the OpenMP wait rule."""
+    ``/proc/cpuinfo``, else the platform's), CPU count, the OpenMP wait rule and the choice behind it."""
     import transformers
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor() or platform.uname().machine, "cpu_model": cpu_info()[0],
-            "cpu_count": os.cpu_count(), "omp_wait": omp_wait_record()}
+            "cpu_count": os.cpu_count(), "omp_wait": omp_wait_record(), "thread_choice": threads.record()}
 
 
 def omp_wait_record() -> str:
     """How this process's idle OpenMP threads wait (read by libgomp at start-up): ``spin N`` when
     ``GOMP_SPINCOUNT`` sets it, else ``OMP_WAIT_POLICY`` lower-cased, or ``default`` (libgomp's ~300k-iteration
     spin, then sleep). Passive waiting costs every parallel op a thread wake-up (docs/benchmarks.md, "Threads and
-    OpenMP waiting")."""
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    return f"spin {spin}" if spin else os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    OpenMP waiting"). ``thread_choice`` beside it records why (:func:`evals.threads.record`: threads and waiting
+    chosen at start-up, by what, and the load seen)."""
+    return threads.environment_wait(os.environ)
 
 
 def run_environment(cfg: dict) -> dict:
