@@ -43,6 +43,16 @@ because its decode looked no faster spinning: the prefill's background worker th
 libgomp, counting its OpenMP team beside the main one (more threads than cores), cut every team's spin to 1000
 iterations. The worker now exits once its last job is awaited (``KVMethod.await_background``).
 
+Floor (:mod:`evals.bench.floor`): every cell also gets ``floor_s``, the TPOT its method would have if selecting,
+moving and updating keys were free: full's ``other`` at the same length + full's ``attention`` there x
+``n_dense_layers / n_layers`` (the method's dense layers, read from the bound method's ``is_budgeted``; 0 where
+unreadable, the rule recorded as ``dense_layers_rule``) + ``exact_attention_s x`` the budgeted layers, where
+``exact_attention_s`` is one layer's exact attention of one decode query over ``budget`` keys
+(:func:`icecache.kv.attention.attend`, the model's head counts, head dim and dtype), timed in the cell's process
+after its generation (median of 15 repetitions); ``tpot_over_floor`` is the median TPOT over it (full's is its
+TPOT over its own ``other + attention``, ~1). Rows keep ``floor_parts_s`` and the summary ``floor_s`` and
+``tpot_over_floor`` per length; ``python -m evals.output.latency_figure`` draws TPOT and the floors.
+
 On CUDA the breakdown comes from CUDA events (no added syncs); ``--profile`` synchronises around every
 phase instead, for exact host-side attribution.
 
@@ -62,6 +72,7 @@ from pathlib import Path
 
 import torch
 
+from evals.bench import floor
 from evals.harness import REPO_ROOT
 from evals.tasks.latency import FILLER, Latency
 from evals.registry import METHODS, make_method
@@ -90,16 +101,18 @@ def llama_8b_random(device: str):
 
 def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
             profile: bool = False) -> dict:
-    """One timed generation of ``method``: its timings, its KV memory by place (``device_kv_bytes``, of which
+    """One timed generation of ``method``: its timings, what its floor needs (:func:`evals.bench.floor.floor_inputs`),
+    its KV memory by place (``device_kv_bytes``, of which
     ``transit_bytes``, ``host_kv_bytes``, ``index_bytes``: :meth:`icecache.kv.KVCache.memory_bytes`, the same on a CPU
     and a GPU), and the commit and resolved configuration it ran."""
     built = make_method(method, budget=None if method == "full" else budget)
     gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
+    measured = floor.floor_inputs(model, built, budget)  # after the timed generation, never inside it
     return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
-            "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, method)}
+            "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, method), **measured}
 
 
 def default_methods() -> list[str]:
@@ -253,7 +266,7 @@ def main(argv=None) -> None:
         for length in args.lengths:
             for method in args.methods:
                 cell = results.get(method, {}).get(str(length))
-                runs = [] if cell is None else cell.get("runs", [cell])
+                runs = [] if cell is None else cell.get("runs", [floor.without_floor(cell)])
                 if sum("error" not in r for r in runs) > rep:
                     continue
                 if args.isolate:
@@ -263,9 +276,12 @@ def main(argv=None) -> None:
                     row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
                                   args.profile)
                 results.setdefault(method, {})[str(length)] = median_row(runs + [row])
-                print_cell(method, length, row)
+                floor.annotate(results, TPOT)
+                print_cell(method, length, row, results[method][str(length)].get("floor_s"))
                 write(args, results, environment_row)
+    floor.annotate(results, TPOT)
     print_summary(results, args.growth_from, args.growth_to)
+    print_floors(results)
     print_ratios(results)
     print(f"wrote {args.out}")
 
@@ -277,7 +293,8 @@ def median_row(runs: list[dict]) -> dict:
     if len(runs) == 1 or not ok:
         return runs[-1]
     row = {**ok[-1], "runs": runs}
-    for key in ("tt2t_s", "ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "breakdown_sum_over_tpot"):
+    for key in ("tt2t_s", "ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "breakdown_sum_over_tpot",
+                "exact_attention_s"):
         values = [r[key] for r in ok if r.get(key) is not None]
         row[key] = statistics.median(values) if values else None
     row["breakdown"] = {p: statistics.median(r["breakdown"][p] for r in ok) for p in ok[-1]["breakdown"]}
@@ -288,14 +305,17 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def print_cell(method: str, length: int, row: dict) -> None:
+def print_cell(method: str, length: int, row: dict, floor_s: float | None = None) -> None:
+    """One measured repeat of a cell, with its cell's floor (:mod:`evals.bench.floor`) once full's row at that
+    length is known."""
     if "error" in row:
         print(f"{method:>15} {length:>6}: FAILED {row['error'].strip().splitlines()[-1]}", flush=True)
         return
     rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
     print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row[TPOT]:.2f} ms  " +
           " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss +
-          (f"  omp {row['omp_wait']}" if "omp_wait" in row else ""), flush=True)
+          (f"  omp {row['omp_wait']}" if "omp_wait" in row else "") +
+          (f"  floor {1000 * floor_s:.2f} ms ({row[TPOT] / floor_s:.2f}x)" if floor_s and row[TPOT] else ""), flush=True)
 
 
 def method_rows(results: dict) -> dict:
@@ -318,8 +338,10 @@ def growth(rows: dict, lo: int, hi: int) -> dict | None:
 
 
 def summary(results: dict, lo: int, hi: int) -> dict:
-    """Per method: TPOT by length and its growth from ``lo`` to ``hi`` (see :func:`growth`)."""
-    return {m: {TPOT: {L: r[TPOT] for L, r in rows.items()}, "growth": growth(rows, lo, hi)}
+    """Per method: TPOT by length and its growth from ``lo`` to ``hi`` (see :func:`growth`), and its floor and
+    TPOT over the floor by length (:func:`evals.bench.floor.annotate`; None where unknown)."""
+    return {m: {TPOT: {L: r[TPOT] for L, r in rows.items()}, "growth": growth(rows, lo, hi),
+                **{key: {L: r.get(key) for L, r in rows.items()} for key in ("floor_s", "tpot_over_floor")}}
             for m, rows in method_rows(results).items() if rows}
 
 
@@ -343,9 +365,23 @@ def print_summary(results: dict, lo: int, hi: int) -> None:
         print(f"(growth from {g['from']} to {g['to']} tokens)")
 
 
+def print_floors(results: dict) -> None:
+    """Per method and length: the floor (ms) and TPOT over it; ``-`` where the floor is unknown."""
+    rows = method_rows(results)
+    lengths = sorted({int(L) for r in rows.values() for L in r})
+    if not any(r.get("floor_s") for cells in rows.values() for r in cells.values()):
+        return
+    print("\nfloor ms (TPOT / floor) by context length:")
+    print(f"{'method':>15} " + " ".join(f"{L:>16}" for L in lengths))
+    for method, cells in rows.items():
+        text = [f"{1000 * r['floor_s']:7.2f} ({r['tpot_over_floor']:5.2f}x)" if (r := cells.get(str(L), {})).get(
+            "tpot_over_floor") else f"{'-':>16}" for L in lengths]
+        print(f"{method:>15} " + " ".join(text))
+
+
 def write(args, results: dict, environment_row: dict) -> None:
     env = {**environment_row, **git_state(), "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
-           "prompt_text": args.prompt_text,
+           "prompt_text": args.prompt_text, "repeats": args.repeats,
            "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")
