@@ -28,6 +28,7 @@ in ``timing.json`` (``environment.thread_choice``, :func:`record`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -204,16 +205,9 @@ def startup_settings(argv: list[str], conf_dir: Path) -> tuple:
             batch = int(value)
     jobs = 1
     if ("-m" in argv or "--multirun" in argv) and launcher in LOCAL_LAUNCHERS:
-        jobs = max(1, min(_product(sizes), batch or _product(sizes)))
+        jobs = max(1, min(math.prod(sizes), batch or math.prod(sizes)))
     omp_wait = settings["omp_wait"] if settings["omp_wait"] in OMP_WAIT_CHOICES else "auto"
     return settings["threads"], omp_wait, jobs
-
-
-def _product(sizes: list[int]) -> int:
-    out = 1
-    for size in sizes:
-        out *= size
-    return out
 
 
 def at_startup(argv: list[str], conf_dir: Path, environ=os.environ, loadavg: Path = LOADAVG) -> Choice:
