@@ -521,3 +521,20 @@ def test_bf16_keys_are_stored_in_bf16_with_every_result_unchanged():
     assert MDCIIndex.build(keys[:, :n].float(), torch.arange(n), DCIConfig()).page_keys.dtype == np.float32
     with pytest.raises(ValueError, match="key_storage"):
         DCIConfig(key_storage="bf16")
+
+
+@pytest.mark.parametrize("k", [1, 3, 12])
+def test_keep_best_is_the_prefix_of_a_stable_descending_sort(k):
+    """The C rule's per-node top-K (``_level0.keep_best``) equals ``np.argsort(-s, kind="mergesort")[:K]``, ties
+    (many here: scores rounded to a few values) kept in offering order."""
+    from icecache.dci._level0 import keep_best
+
+    rng = np.random.default_rng(k)
+    for n in (0, 1, k, 40):
+        scores = np.round(rng.normal(size=n), 1).astype(np.float32)
+        buf_s, buf_p, kept = np.empty(k, np.float32), np.empty(k, np.int64), 0
+        for i in range(n):
+            kept = keep_best(scores[i], i, kept, k, buf_s, buf_p)
+        order = np.argsort(-scores, kind="mergesort")[:k]
+        assert buf_p[:kept].tolist() == order.tolist()
+        assert buf_s[:kept].tolist() == scores[order].tolist()

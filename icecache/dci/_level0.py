@@ -149,11 +149,30 @@ def level0_runs(h, runs, n_runs, order, qps, params, pages, nodes, pos):
         a = b
 
 
+@njit(cache=True, nogil=True, inline="always")
+def keep_best(score, page, n, k, buf_s, buf_p):
+    """Inserts ``(score, page)`` into the descending top-``k`` list ``buf_s[:n], buf_p[:n]`` and returns its new
+    length: a score equal to a listed one goes after it, so the list is the first ``k`` of a stable descending
+    sort of everything offered, in offering order for ties (``np.argsort(-s, kind="mergesort")[:k]``), at O(k)
+    per offer instead of a sort of every child."""
+    if n == k and not score > buf_s[k - 1]:
+        return n
+    j = min(n, k - 1)
+    while j > 0 and buf_s[j - 1] < score:
+        buf_s[j] = buf_s[j - 1]
+        buf_p[j] = buf_p[j - 1]
+        j -= 1
+    buf_s[j] = score
+    buf_p[j] = page
+    return min(n + 1, k)
+
+
 @njit(cache=True, nogil=True, fastmath=FAST)
 def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p):
     """Level 0 under the C rule (``dci_query_single_point_single_level`` with ``num_neighbours = K`` and
     ``add_to_list``): of the children ``lo .. hi-1`` of ``node`` that the query scores, only the ``K``
-    best rank their pages (ties: the earlier child in projection order). Returns ``n_touched``."""
+    best rank their pages, best first (ties: the earlier child in projection order; :func:`keep_best`).
+    ``buf_s``, ``buf_p``: scratch of at least ``K`` entries. Returns ``n_touched``."""
     n = 0
     i = 0
     pg = nodes.first[h, node]
@@ -163,14 +182,11 @@ def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched,
             acc = np.float32(0.0)
             for j in range(qv.shape[0]):
                 acc += qv[j] * key_f32(pages.keys[h, pg, s, j])
-            buf_s[n] = acc
-            buf_p[n] = pg
-            n += 1
+            n = keep_best(acc, pg, n, k_pages, buf_s, buf_p)
         i += v
         pg = pages.next[h, pg]
-    order = np.argsort(-buf_s[:n], kind="mergesort")
-    for a in range(min(k_pages, n)):
-        n_touched = rank(buf_p[order[a]], buf_s[order[a]], best, touched, n_touched)
+    for a in range(n):
+        n_touched = rank(buf_p[a], buf_s[a], best, touched, n_touched)
     return n_touched
 
 

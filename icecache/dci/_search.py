@@ -166,8 +166,8 @@ def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts
         counts[runs[r, 1], 0] += runs[r, 3] - runs[r, 2]
         counts[runs[r, 1], 1] += 1
     if params.official:
-        buf_s = np.empty(max_children, dtype=np.float32)
-        buf_p = np.empty(max_children, dtype=np.int64)
+        buf_s = np.empty(max(params.k_pages, 1), dtype=np.float32)
+        buf_p = np.empty(max(params.k_pages, 1), dtype=np.int64)
         for r in range(n_runs):
             g = runs[r, 1]
             n_touched[g] = rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3], params.k_pages,
