@@ -192,24 +192,12 @@ def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched,
 
 @njit(cache=True, nogil=True)
 def top_pages(best, touched, n_touched, out_row, score_row):
-    """The touched pages with the best tokens, best first (``dci_query``: insertion into a sorted top-C, as
-    the C code); ``-1`` / ``-inf`` padded."""
+    """The touched pages with the best tokens, best first, ties in touching order (``dci_query``: insertion into a
+    sorted top-C, as the C code; :func:`keep_best`); ``-1`` / ``-inf`` padded."""
     n_cap = out_row.shape[0]
     n_out = 0
     for a in range(n_touched):
-        pg = touched[a]
-        s = best[pg]
-        if n_out == n_cap and s <= score_row[n_cap - 1]:
-            continue
-        j = min(n_out, n_cap - 1)
-        while j > 0 and score_row[j - 1] < s:
-            score_row[j] = score_row[j - 1]
-            out_row[j] = out_row[j - 1]
-            j -= 1
-        score_row[j] = s
-        out_row[j] = pg
-        if n_out < n_cap:
-            n_out += 1
+        n_out = keep_best(best[touched[a]], touched[a], n_out, n_cap, score_row, out_row)
     for a in range(n_out, n_cap):
         out_row[a] = -1
         score_row[a] = -np.inf
