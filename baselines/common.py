@@ -3,16 +3,13 @@
 
 - :func:`scaled_layers`: an official layer choice for 32-layer Llama scaled to the model's depth
   (OmniKV's filter layers, MagicPIG's dense layers).
-- :func:`spare_cpu_share`: the cores an official index build overlaps with the prefill (PQCache, MagicPIG).
 - :class:`AttendedSetState` / :func:`check_attended`: methods that keep every key resident but attend a
   subset (Quest, TOP-k) check the attended set against the budget instead of the resident one.
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
-import torch
 
 from icecache.kv import LayerState
 
@@ -39,13 +36,3 @@ def check_attended(method, st: AttendedSetState) -> None:
     if method.is_budgeted(st.layer_idx) and st.max_attended > method.budget:
         raise AssertionError(f"{method.name}: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
                              f"head, over the budget of {method.budget}")
-
-
-def spare_cpu_share(device: torch.device) -> float:
-    """Share of the CPU cores the prefill leaves idle, on which the official codes overlap their index builds
-    (PQCache's k-means, MagicPIG's tables): all of them when the model runs on a GPU, else the cores beyond
-    torch's intra-op threads."""
-    if device.type != "cpu":
-        return 1.0
-    cores = os.cpu_count() or 1
-    return max(0, cores - torch.get_num_threads()) / cores

@@ -63,7 +63,7 @@ from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.base import tensor_bytes
 from icecache.kv.storage import HostKV, append_to_buffer, keep_sinks_and_recent
 
-from .common import spare_cpu_share
+from icecache.kv.state import spare_cpu_share
 
 
 JOINT_CODES_MAX = 1 << 16  # most tuples of codes scored one by one (the official 2 sub-vectors x 6 bits: 4096)

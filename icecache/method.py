@@ -23,7 +23,8 @@ whose pages are groups of semantically close sibling tokens.
   into the offload store and build the M-DCI index over them (token ids = absolute positions). The
   layer's first decode step awaits the job, so the build shows in TT2T, and while layer ``i+1``
   computes the worker builds layer ``i`` (pipelined prefill; ``prefill_pipeline="official"`` adds the official
-  backpressure: one job in flight, all joined before prefill returns). A prompt of at most ``B`` tokens is
+  backpressure: one job in flight, all joined before prefill returns; where the prefill leaves no core idle,
+  a CPU whose cores all run torch, the job runs inline instead: :func:`icecache.kv.state.jobs_inline`). A prompt of at most ``B`` tokens is
   not indexed (official fallback): the layer attends everything until its context first exceeds
   ``B`` tokens, then offloads at that step, the index built on the background worker while the rest of the
   step runs (the official code never indexes after prefill and lets the table outgrow the budget:

@@ -25,7 +25,7 @@ BUDGET = 64  # valid for every method's own constraints (test_reliability.py's S
 
 # one intra-op thread: on cores that other processes keep busy, a team of spinning OpenMP threads waits for its
 # slowest member at every op (minutes instead of seconds); it also leaves cores "idle" for the methods that
-# count them (baselines.common.spare_cpu_share), so their background and time-budgeted paths run
+# count them (icecache.kv.state.spare_cpu_share), so their background and time-budgeted paths run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

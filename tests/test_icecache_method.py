@@ -88,7 +88,8 @@ def test_official_default_reproduces_the_c_candidate_rule_pipeline_and_projectio
 
 
 @pytest.mark.parametrize("pipeline", ["overlap", "official"])
-def test_official_prefill_pipeline_keeps_one_build_in_flight_and_returns_with_every_index_built(pipeline):
+def test_official_prefill_pipeline_keeps_one_build_in_flight_and_returns_with_every_index_built(pipeline, monkeypatch):
+    monkeypatch.setenv("ICECACHE_BACKGROUND", "thread")  # the worker thread (a CPU runs the jobs inline by default)
     """``prefill_pipeline="official"``: when layer ``i`` queues its job, the job queued before it is done,
     and the prefill returns with every job done; ``"overlap"`` never waits (the jobs run behind the prefill)."""
     import time
@@ -571,3 +572,33 @@ def test_default_configuration_keeps_every_head_within_every_budget(method, smal
         m.attend = spy
         generate_with(model, ids, 20, m)
         assert most and max(most.values()) <= budget, (budget, most)
+
+
+def test_jobs_run_inline_when_the_prefill_uses_every_core_with_the_same_output_as_on_the_worker_thread(monkeypatch):
+    """``ICECACHE_BACKGROUND`` (``icecache.kv.state.jobs_inline``): ``inline`` runs the offload and index build at
+    submission on the calling thread, ``thread`` on the worker, with equal generations; ``auto`` inlines them when
+    torch's threads take every core of a CPU, never on a GPU; a bad value is refused with the accepted ones."""
+    import threading
+
+    from icecache.kv import state
+
+    model, ids = build_tiny("tiny-llama", 2, 4), torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for mode in ("inline", "thread"):
+        monkeypatch.setenv("ICECACHE_BACKGROUND", mode)
+        seen = []
+        m = make_method("icecache", budget=64, page_size=8)
+        job = m.offload_job
+        m.offload_job = lambda st, *args: (seen.append(threading.current_thread() is threading.main_thread()),
+                                           job(st, *args))
+        outputs[mode] = generate_with(model, ids, 8, m)[0].sequences
+        assert seen and all(seen) == (mode == "inline") and any(seen) == (mode == "inline")
+    assert torch.equal(outputs["inline"], outputs["thread"])
+    monkeypatch.setenv("ICECACHE_BACKGROUND", "auto")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for threads, inline in ((state.os.cpu_count(), True), (max(1, state.os.cpu_count() - 1), state.os.cpu_count() == 1)):
+        monkeypatch.setattr(state.torch, "get_num_threads", lambda n=threads: n)
+        assert state.jobs_inline(cpu) == inline and not state.jobs_inline(gpu)
+    monkeypatch.setenv("ICECACHE_BACKGROUND", "later")
+    with pytest.raises(ValueError, match="auto .*thread or inline"):
+        state.jobs_inline(cpu)

@@ -207,11 +207,12 @@ def test_one_token_eviction_reuses_the_leaving_slot_in_place(method):
 
 
 @pytest.mark.parametrize("method", ["icecache", "pqcache", "magicpig"])
-def test_background_worker_exits_once_its_last_job_is_awaited(method):
+def test_background_worker_exits_once_its_last_job_is_awaited(method, monkeypatch):
     """The prefill's background worker thread used to live until the end of the generation, with the OpenMP
     team its parallel work created; libgomp then counted more threads than cores and cut every team's spin-wait
     to ~1000 iterations, so each parallel op of the decode paid a thread wake-up (IceCache's and PQCache's
     ``other`` 10-40 ms per token above full's at 4k-8k on SmolLM2). After the first decode step none is left."""
+    monkeypatch.setenv("ICECACHE_BACKGROUND", "thread")  # the worker thread (a CPU runs the jobs inline by default)
     model = build_tiny("tiny-llama", 2, 4)
     ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
     cache = make_cache(method, model, budget=64)

@@ -51,9 +51,10 @@ import torch
 from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
 from icecache.kv.base import tensor_bytes
+from icecache.kv.state import spare_cpu_share
 from icecache.kv.storage import keep_sinks_and_recent, to_store
 
-from ..common import scaled_layers, spare_cpu_share
+from ..common import scaled_layers
 from . import lsh
 from .lsh import BucketTables, bit_major, build_tables, lookup, simhash
 
@@ -158,7 +159,7 @@ class MagicPIG(KVMethod):
         seed: seed of the random SimHash projections.
         background_build: build the tables on the background worker (True), inline at the end of each layer's
             prefill (False), or ``None``: in the background only when the prefill leaves CPU cores idle
-            (:func:`baselines.common.spare_cpu_share` > 0).
+            (:func:`icecache.kv.state.spare_cpu_share` > 0).
     """
 
     n_bits: int = OFFICIAL_BITS

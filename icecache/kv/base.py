@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import attend, causal_attention
-from .state import LayerState, SequenceState
+from .state import LayerState, SequenceState, jobs_inline
 from .storage import append_to_buffer
 from .timing import PhaseTimer
 
@@ -216,8 +216,9 @@ class KVMethod:
 
     # ------------------------------------------------------------------ background work
     def submit_background(self, st: LayerState, fn, *args) -> None:
-        """Runs ``fn(*args)`` on the sequence's single background worker (the prefill pipeline)."""
-        st.seq.submit(st, fn, *args)
+        """Runs ``fn(*args)`` on the sequence's single background worker (the prefill pipeline), or inline on a
+        CPU (:func:`~icecache.kv.state.jobs_inline`)."""
+        st.seq.submit(st, fn, *args, inline=jobs_inline(self.spec.device))
 
     def await_background(self, st: LayerState) -> None:
         """Waits for ``st``'s background job, if any (:meth:`SequenceState.wait`)."""

@@ -5,9 +5,38 @@ its sequence (another layer's state, the background worker, the probe) through `
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any
 
 import torch
+
+
+BACKGROUND_ENV = "ICECACHE_BACKGROUND"  # where prefill jobs run: auto, thread, inline (jobs_inline)
+
+
+def spare_cpu_share(device: torch.device) -> float:
+    """Share of the CPU cores the prefill leaves idle, on which the official codes overlap their index builds
+    (IceCache's, PQCache's k-means, MagicPIG's tables): all of them when the model runs on a GPU, else the cores
+    beyond torch's intra-op threads."""
+    if device.type != "cpu":
+        return 1.0
+    cores = os.cpu_count() or 1
+    return max(0, cores - torch.get_num_threads()) / cores
+
+
+def jobs_inline(device: torch.device) -> bool:
+    """Whether a sequence on ``device`` runs its background jobs inline, at submission, instead of on its worker
+    thread. ``ICECACHE_BACKGROUND``: ``auto`` (default) inlines them when the prefill leaves no core idle
+    (:func:`spare_cpu_share` 0: a CPU whose cores all run torch's threads), ``thread``, ``inline``. There the
+    jobs and the prefill compete for the same cores, and the worker's OpenMP teams beside the prefill's
+    oversubscribe them: on SmolLM2 at 8k tokens (2 cores, "AMD EPYC" family 25) IceCache's TT2T was 1.05-1.27x
+    full's with the worker thread, 1.02-1.03x inline. With idle cores (a GPU model) the jobs overlap the prefill,
+    as in the official pipelines. Where the jobs run changes no output."""
+    mode = os.environ.get(BACKGROUND_ENV, "auto")
+    if mode not in ("auto", "thread", "inline"):
+        raise ValueError(f"{BACKGROUND_ENV}={mode!r}: use auto (inline when the prefill uses every core), thread "
+                         "or inline")
+    return mode == "inline" or (mode == "auto" and spare_cpu_share(device) == 0)
 
 
 class LayerState:
@@ -46,8 +75,18 @@ class SequenceState:
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.outstanding = 0  # background jobs submitted, not yet awaited
 
-    def submit(self, st: LayerState, fn, *args) -> None:
-        """Runs ``fn(*args)`` on the sequence's background worker; ``st.pending`` is its future."""
+    def submit(self, st: LayerState, fn, *args, inline: bool = False) -> None:
+        """Runs ``fn(*args)`` on the sequence's background worker, or now when ``inline`` (:func:`jobs_inline`);
+        ``st.pending`` is its future either way (an inline job's error is raised where it is awaited, as a
+        worker's)."""
+        if inline:
+            self.outstanding += 1
+            st.pending = concurrent.futures.Future()
+            try:
+                st.pending.set_result(fn(*args))
+            except Exception as error:  # noqa: BLE001 - re-raised by the await, like a worker's
+                st.pending.set_exception(error)
+            return
         if self.executor is None:
             self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.worker_name)
         self.outstanding += 1
