@@ -34,6 +34,22 @@ def cpu_info(path: str | Path = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     return model or platform.machine(), flags
 
 
+def cpu_signature(path: str | Path = "/proc/cpuinfo") -> str:
+    """``"family F model M"`` of the first CPU in ``path`` (x86 ``cpu family`` and ``model``), which tells apart the
+    CPUs a VM names alike (e.g. every "AMD EPYC"); ``""`` when ``path`` has no such fields."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return ""
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def native_bf16_flags(flags: frozenset[str] | None = None) -> list[str]:
     """The native-bf16 instruction sets among ``flags`` (default: this machine's)."""
     flags = cpu_info()[1] if flags is None else flags

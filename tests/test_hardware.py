@@ -5,6 +5,8 @@ import torch
 from icecache import hardware
 
 CPUINFO = """processor\t: 0
+cpu family\t: 6
+model\t\t: 143
 model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu sse avx2 avx512f {extra}
 
@@ -22,10 +24,12 @@ def test_bf16_only_with_native_bf16_arithmetic(tmp_path):
         model, flags = hardware.cpu_info(path)
         assert model == "Intel(R) Xeon(R) Platinum 8480+" and "avx2" in flags
         assert hardware.preferred_cpu_dtype(flags) is want
+        assert hardware.cpu_signature(path) == "family 6 model 143"
 
 
 def test_missing_cpuinfo_falls_back_to_fp32(tmp_path):
     model, flags = hardware.cpu_info(tmp_path / "absent")
+    assert hardware.cpu_signature(tmp_path / "absent") == ""
     assert model and flags == frozenset() and hardware.preferred_cpu_dtype(flags) is torch.float32
     choice = hardware.dtype_choice(frozenset({"amx_bf16"}))
     assert choice["dtype"] == "bfloat16" and choice["bf16_flags"] == ["amx_bf16"]

@@ -50,7 +50,8 @@ def repeats_text(rows) -> str:
 def title_text(bench: dict) -> str:
     """Model, budget, new tokens, hardware, threads, dtype and repeats per cell."""
     env = bench.get("environment", {})
-    chip = env.get("gpu") or env.get("cpu_model") or "unrecorded hardware"
+    chip = env.get("gpu") or " ".join(filter(None, (env.get("cpu_model"), env.get("cpu_signature")))) \
+        or "unrecorded hardware"
     dtype = str(env.get("dtype", "?")).removeprefix("torch.")
     rows = [r for cells in method_cells(bench).values() for r in cells.values()]
     return (f"TPOT vs context: {env.get('model', '?')}, budget {env.get('budget', '?')}, "

@@ -162,7 +162,7 @@ def hardware_text(env: dict) -> str:
     if not env:
         return "unrecorded"
     device = str(env.get("device") or "?")
-    chip = env.get("gpu") if env.get("gpu") else env.get("cpu_model")
+    chip = env.get("gpu") or " ".join(filter(None, (env.get("cpu_model"), env.get("cpu_signature"))))
     return f"{chip} ({device})" if chip else device
 
 

@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from icecache.hardware import cpu_info
+from icecache.hardware import cpu_info, cpu_signature
 from icecache.kv.base import MEMORY_KEYS
 
 from .. import threads
@@ -111,12 +111,12 @@ def environment(model) -> dict:
 
 def machine() -> dict:
     """Library versions and the machine: threads, torch, transformers, python, CPU (model name from
-    ``/proc/cpuinfo``, else the platform's), CPU count, the OpenMP wait rule and the choice behind it."""
+    ``/proc/cpuinfo``, else the platform's; its family and model), CPU count, the OpenMP wait rule and the choice behind it."""
     import transformers
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor() or platform.uname().machine, "cpu_model": cpu_info()[0],
-            "cpu_count": os.cpu_count(), "omp_wait": omp_wait_record(), "thread_choice": threads.record()}
+            "cpu_signature": cpu_signature(), "cpu_count": os.cpu_count(), "omp_wait": omp_wait_record(), "thread_choice": threads.record()}
 
 
 def omp_wait_record() -> str:
