@@ -411,6 +411,46 @@ def test_search_scored_extends_search_and_reports_exact_best_scores():
         assert scores[qh].tolist() == sorted(scores[qh].tolist(), reverse=True)
 
 
+def _dot_in_the_written_order(q, key):
+    """The order :func:`icecache.dci.intrinsics.dot_key` promises, in numpy fp32 (one rounding per multiply and
+    per add): 8 lanes accumulating 8-element chunks, halves added down to one lane, then the tail in turn."""
+    full = q.shape[0] // 8
+    lanes = np.zeros(8, dtype=np.float32)
+    for c in range(full):
+        lanes = lanes + q[8 * c: 8 * c + 8] * key[8 * c: 8 * c + 8]
+    while lanes.shape[0] > 1:
+        half = lanes.shape[0] // 2
+        lanes = lanes[:half] + lanes[half:]
+    total = lanes[0]
+    for j in range(8 * full, q.shape[0]):
+        total = np.float32(total + q[j] * key[j])
+    return total
+
+
+@pytest.mark.parametrize("d", [64, 30, 5])
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+def test_every_score_is_the_dot_product_in_one_written_order(d, storage):
+    """Scores must not depend on how the compiler vectorised the loop that computed them (on some CPUs the
+    group's level-0 pass and a single query's search scored one key an ulp apart): ``dot_key`` equals, bit
+    for bit, the dot product summed in its documented order, for fp32 keys and bf16 keys (stored as bits)."""
+    from numba import njit
+
+    from icecache.dci.intrinsics import dot_key
+
+    score = njit(lambda q, keys, i: dot_key(q, keys[i]))
+    rng = np.random.default_rng(d)
+    q = rng.standard_normal(d).astype(np.float32) * 3
+    keys = torch.from_numpy(rng.standard_normal((50, d)).astype(np.float32) * 3)
+    if storage == "bf16":
+        keys = keys.to(torch.bfloat16)
+        stored = keys.view(torch.int16).numpy().view(np.uint16)
+    else:
+        stored = keys.numpy()
+    as_f32 = keys.float().numpy()
+    for i in range(50):
+        assert score(q, stored, i) == _dot_in_the_written_order(q, as_f32[i])
+
+
 @pytest.mark.parametrize("group, chunk", [(3, 128), (7, 128), (3, 4)])
 def test_group_search_equals_one_search_per_query_head(group, chunk):
     """The query heads of a KV head search together (level 0 read once per group): every head's pages

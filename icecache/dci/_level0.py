@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from ._walk import child_count, chunk_walk, fill_positions
-from .intrinsics import FAST, key_f32, prefetch, prefetch_row
+from .intrinsics import EXACT, dot_key, prefetch, prefetch_row
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -31,42 +31,33 @@ def _touch(g, pg, best, touched, n_touched):
         n_touched[g] += 1
 
 
-@njit(cache=True, nogil=True, fastmath=FAST, inline="always")
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def _score_slots(h, q_group, g, pg, s0, s1, pages, best):
     """``best[g, pg] = max(best[g, pg], max_s q_g.k_s)`` over slots ``s0 .. s1-1`` of page ``pg``."""
     top = best[g, pg]
     for s in range(s0, s1):
-        acc = np.float32(0.0)
-        for j in range(q_group.shape[1]):
-            acc += q_group[g, j] * key_f32(pages.keys[h, pg, s, j])
-        top = max(top, acc)
+        top = max(top, dot_key(q_group[g], pages.keys[h, pg, s]))
     best[g, pg] = top
 
 
-@njit(cache=True, nogil=True, fastmath=FAST, inline="always")
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def _score_slots3(h, q_group, gs, s0s, s1s, k, pg, pages, best):
     """:func:`_score_slots` for the three queries ``gs[k:k+3]``, each over its own slots ``s0s[.] ..
-    s1s[.]-1``: every key of the union of their slots is loaded once for the three dot products (the same
-    arithmetic per query, so the same scores), and each maximum takes only its query's slots."""
+    s1s[.]-1``: every key of the union of their slots is read from memory once for the three dot products
+    (:func:`~icecache.dci.intrinsics.dot_key`, so the same scores), and each maximum takes only its query's
+    slots."""
     g0, g1, g2 = gs[k], gs[k + 1], gs[k + 2]
     a0, a1, a2 = s0s[k], s0s[k + 1], s0s[k + 2]
     b0, b1, b2 = s1s[k], s1s[k + 1], s1s[k + 2]
     t0, t1, t2 = best[g0, pg], best[g1, pg], best[g2, pg]
     for s in range(min(a0, a1, a2), max(b0, b1, b2)):
-        d0 = np.float32(0.0)
-        d1 = np.float32(0.0)
-        d2 = np.float32(0.0)
-        for j in range(q_group.shape[1]):
-            key = key_f32(pages.keys[h, pg, s, j])
-            d0 += q_group[g0, j] * key
-            d1 += q_group[g1, j] * key
-            d2 += q_group[g2, j] * key
+        key = pages.keys[h, pg, s]
         if a0 <= s < b0:
-            t0 = max(t0, d0)
+            t0 = max(t0, dot_key(q_group[g0], key))
         if a1 <= s < b1:
-            t1 = max(t1, d1)
+            t1 = max(t1, dot_key(q_group[g1], key))
         if a2 <= s < b2:
-            t2 = max(t2, d2)
+            t2 = max(t2, dot_key(q_group[g2], key))
     best[g0, pg], best[g1, pg], best[g2, pg] = t0, t1, t2
 
 
@@ -81,7 +72,7 @@ def _prefetch_page(h, pg, pages):
         prefetch_row(keys, s)
 
 
-@njit(cache=True, nogil=True, fastmath=FAST)
+@njit(cache=True, nogil=True, fastmath=EXACT)
 def score_level0(h, q_group, runs, n_runs, pages, nodes, best, touched, n_touched):
     """Level 0 of the search for a KV head's query heads together: ``runs [n, 4]`` rows ``(node, query,
     lo, hi)`` sorted by node; each node's pages are read once while every query that kept the node scores
@@ -167,7 +158,7 @@ def keep_best(score, page, n, k, buf_s, buf_p):
     return min(n + 1, k)
 
 
-@njit(cache=True, nogil=True, fastmath=FAST)
+@njit(cache=True, nogil=True, fastmath=EXACT)
 def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p):
     """Level 0 under the C rule (``dci_query_single_point_single_level`` with ``num_neighbours = K`` and
     ``add_to_list``): of the children ``lo .. hi-1`` of ``node`` that the query scores, only the ``K``
@@ -179,10 +170,7 @@ def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched,
     for _ in range(nodes.npages[h, node]):
         v = pages.valid[h, pg]
         for s in range(max(lo - i, 0), min(hi - i, v)):
-            acc = np.float32(0.0)
-            for j in range(qv.shape[0]):
-                acc += qv[j] * key_f32(pages.keys[h, pg, s, j])
-            n = keep_best(acc, pg, n, k_pages, buf_s, buf_p)
+            n = keep_best(dot_key(qv, pages.keys[h, pg, s]), pg, n, k_pages, buf_s, buf_p)
         i += v
         pg = pages.next[h, pg]
     for a in range(n):

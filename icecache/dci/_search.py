@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from ._level0 import level0_runs, rank, rank_top_children, score_level0, top_pages
 from ._walk import visited_run
-from .intrinsics import FAST, key_f32, prefetch
+from .intrinsics import EXACT, dot_key, prefetch
 
 # the scalars that steer one search, passed whole to every level of the kernels (:func:`search`):
 # k_pages (K, int), fov (nodes kept per level, int), prop (prop_to_retrieve, float), chunk (visit_chunk, int),
@@ -20,18 +20,15 @@ from .intrinsics import FAST, key_f32, prefetch
 SearchParams = namedtuple("SearchParams", "k_pages fov prop chunk top_level n_upper max_children official")
 
 
-@njit(cache=True, nogil=True, fastmath=FAST, inline="always")
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def _score_page(h, qv, pg, s0, s1, ranked, pages, best, touched, n_touched, cand, nc):
     """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of upper-level page ``pg``, appended to the candidates
     ``cand`` (score, node index, page); when ``ranked`` (rule ``"scored"``) they also update the page's best
     score. Returns ``(n_touched, nc)``."""
     cand_s, cand_v, cand_p = cand
-    d = qv.shape[0]
     top = -np.inf
     for s in range(s0, s1):
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += qv[j] * key_f32(pages.keys[h, pg, s, j])
+        acc = dot_key(qv, pages.keys[h, pg, s])
         top = max(top, acc)
         cand_s[nc] = acc
         cand_v[nc] = pages.loc[h, pg, s] + 1
@@ -42,7 +39,7 @@ def _score_page(h, qv, pg, s0, s1, ranked, pages, best, touched, n_touched, cand
     return n_touched, nc
 
 
-@njit(cache=True, nogil=True, fastmath=FAST, inline="always")
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def _expand(h, node, qv, qp, params, pages, nodes, pos, best, touched, n_touched, cand, nc):
     """Single-node search of the C code above level 0 (``dci_query_single_point_single_level`` with one
     simple index): score exactly the children :func:`~icecache.dci._walk.chunk_walk` visits (a node with
@@ -81,7 +78,7 @@ def _order_desc(scores, n, keys):
     return order
 
 
-@njit(cache=True, nogil=True, fastmath=FAST)
+@njit(cache=True, nogil=True, fastmath=EXACT)
 def _descend(qv, qp, h, params, pages, nodes, pos, best, touched, kept, counts):
     """The upper levels of one query head's top-down search (``dci_query_single_point``, see :func:`search`):
     from the virtual root, expand the kept nodes of a level, sort the children found by score and keep the
@@ -134,7 +131,7 @@ def _descend(qv, qp, h, params, pages, nodes, pos, best, touched, kept, counts):
     return n_kept, n_touched
 
 
-@njit(cache=True, nogil=True, fastmath=FAST)
+@njit(cache=True, nogil=True, fastmath=EXACT)
 def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts):
     """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
     descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
@@ -178,7 +175,7 @@ def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts
         top_pages(best[g], touched[g], n_touched[g], out[g], out_scores[g])
 
 
-@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+@njit(cache=True, nogil=True, fastmath=EXACT, parallel=True)
 def search(queries, u, group, params, pages, nodes, out, out_scores, counts, n_threads):
     """Top-down page search of every query head (``dci_query``), in parallel on ``n_threads`` threads;
     ``params`` a :data:`SearchParams`. Writes ``out [H_q, C]`` (page ids, -1 padded), ``out_scores [H_q, C]``

@@ -41,6 +41,11 @@ from numba.extending import intrinsic
 
 # fastmath without "nnan"/"ninf": the search uses -inf as the "page not touched yet" sentinel
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+# the search's flags: without "reassoc" and "contract" the compiler keeps the order of operations written
+# (no reordered sums, no fused multiply-adds). With them the vectoriser picks a sum order per loop, CPU and
+# vector width, and two paths of the search ranked one page by scores an ulp apart on some CPUs; the scores
+# now come from :func:`dot_key`, whose order is explicit
+EXACT = {"nsz", "arcp", "afn"}
 
 # the index's arrays (module docstring); the tuples hold references, so kernels write in place
 Pages = namedtuple("Pages", "keys uk proj loc abs valid next node used")
@@ -61,6 +66,65 @@ def key_f32(typingctx, x):
             return builder.bitcast(wide, ir.FloatType())
         return types.float32(x), codegen
     return None
+
+
+_LANES = 8
+
+
+def _lane_halves(builder, v, width):
+    """The first and second halves of the ``width``-lane vector ``v``."""
+    lanes = ir.VectorType(ir.IntType(32), width // 2)
+    return (builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width // 2)))),
+            builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width // 2, width)))))
+
+
+@intrinsic
+def _dot_chunks(typingctx, q, key, n_chunks):
+    """``sum_j q[j] * key[j]`` over the first ``8 * n_chunks`` elements of two contiguous rows (``key`` fp32,
+    or bf16 bits as uint16), in one order fixed by the code, not the compiler: an 8-lane vector accumulates
+    chunk after chunk (element ``j`` in lane ``j mod 8``; plain IEEE multiply then add, no fast-math flags),
+    then its halves are added, twice, down to one lane. One vector instruction per chunk on any x86 CPU
+    (two on SSE-only ones, with the same roundings)."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (q, key)):
+        return None
+    if q.dtype != types.float32 or key.dtype not in (types.float32, types.uint16):
+        return None
+    f32x8 = ir.VectorType(ir.FloatType(), _LANES)
+    key_vec = f32x8 if key.dtype == types.float32 else ir.VectorType(ir.IntType(16), _LANES)
+
+    def codegen(context, builder, sig, args):
+        q_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        key_data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        acc = cgutils.alloca_once_value(builder, ir.Constant(f32x8, None))
+        with cgutils.for_range(builder, args[2]) as loop:
+            offset = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
+            qv = builder.load(builder.bitcast(builder.gep(q_data, [offset]), f32x8.as_pointer()), align=4)
+            kv = builder.load(builder.bitcast(builder.gep(key_data, [offset]), key_vec.as_pointer()),
+                              align=key.dtype.bitwidth // 8)
+            if key_vec is not f32x8:  # bf16 bits -> fp32, as key_f32
+                i32x8 = ir.VectorType(ir.IntType(32), _LANES)
+                kv = builder.bitcast(builder.shl(builder.zext(kv, i32x8), ir.Constant(i32x8, [16] * _LANES)), f32x8)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv)), acc)
+        v, width = builder.load(acc), _LANES
+        while width > 1:
+            v = builder.fadd(*_lane_halves(builder, v, width))
+            width //= 2
+        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+    return types.float32(q, key, n_chunks), codegen
+
+
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
+def dot_key(qv, key):
+    """``q.k`` of a query row ``qv [d]`` (fp32) and a stored key row ``key [d]`` (:func:`key_f32`'s types):
+    :func:`_dot_chunks` over the first ``8 * (d // 8)`` elements, then the rest added in turn. Every score
+    of the search comes from here, so one key scored by two paths of the search (a group's level-0 pass and
+    one query's, an upper level and level 0) has one score, on any CPU and vector width."""
+    d = qv.shape[0]
+    full = d // 8
+    total = _dot_chunks(qv, key, full)
+    for j in range(full * 8, d):
+        total += qv[j] * key_f32(key[j])
+    return total
 
 
 # LLVM >= 16 (llvmlite >= 0.45) names the intrinsic after an opaque pointer, older ones after i8*
