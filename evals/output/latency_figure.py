@@ -56,7 +56,7 @@ def title_text(bench: dict) -> str:
     rows = [r for cells in method_cells(bench).values() for r in cells.values()]
     return (f"TPOT vs context: {env.get('model', '?')}, budget {env.get('budget', '?')}, "
             f"{env.get('new_tokens', '?')} new tokens\n{chip}, {env.get('threads', '?')} threads, {dtype}, "
-            f"{repeats_text(rows)} repeats per cell")
+            f"{repeats_text(rows)} {'repeat' if repeats_text(rows) == '1' else 'repeats'} per cell")
 
 
 def _length_ticks(ax, lengths) -> None:
