@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from ._walk import child_count, chunk_walk, fill_positions
-from .intrinsics import EXACT, dot_key, prefetch, prefetch_row
+from .intrinsics import EXACT, dot_key, dot_key3, prefetch, prefetch_row
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -43,21 +43,21 @@ def _score_slots(h, q_group, g, pg, s0, s1, pages, best):
 @njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def _score_slots3(h, q_group, gs, s0s, s1s, k, pg, pages, best):
     """:func:`_score_slots` for the three queries ``gs[k:k+3]``, each over its own slots ``s0s[.] ..
-    s1s[.]-1``: every key of the union of their slots is read from memory once for the three dot products
-    (:func:`~icecache.dci.intrinsics.dot_key`, so the same scores), and each maximum takes only its query's
-    slots."""
+    s1s[.]-1``: every key of the union of their slots is loaded once for the three dot products
+    (:func:`~icecache.dci.intrinsics.dot_key3`, the arithmetic of one query's, so the same scores), and each
+    maximum takes only its query's slots."""
     g0, g1, g2 = gs[k], gs[k + 1], gs[k + 2]
     a0, a1, a2 = s0s[k], s0s[k + 1], s0s[k + 2]
     b0, b1, b2 = s1s[k], s1s[k + 1], s1s[k + 2]
     t0, t1, t2 = best[g0, pg], best[g1, pg], best[g2, pg]
     for s in range(min(a0, a1, a2), max(b0, b1, b2)):
-        key = pages.keys[h, pg, s]
+        d0, d1, d2 = dot_key3(q_group[g0], q_group[g1], q_group[g2], pages.keys[h, pg, s])
         if a0 <= s < b0:
-            t0 = max(t0, dot_key(q_group[g0], key))
+            t0 = max(t0, d0)
         if a1 <= s < b1:
-            t1 = max(t1, dot_key(q_group[g1], key))
+            t1 = max(t1, d1)
         if a2 <= s < b2:
-            t2 = max(t2, dot_key(q_group[g2], key))
+            t2 = max(t2, d2)
     best[g0, pg], best[g1, pg], best[g2, pg] = t0, t1, t2
 
 

@@ -79,52 +79,76 @@ def _lane_halves(builder, v, width):
 
 
 @intrinsic
-def _dot_chunks(typingctx, q, key, n_chunks):
-    """``sum_j q[j] * key[j]`` over the first ``8 * n_chunks`` elements of two contiguous rows (``key`` fp32,
-    or bf16 bits as uint16), in one order fixed by the code, not the compiler: an 8-lane vector accumulates
-    chunk after chunk (element ``j`` in lane ``j mod 8``; plain IEEE multiply then add, no fast-math flags),
-    then its halves are added, twice, down to one lane. One vector instruction per chunk on any x86 CPU
-    (two on SSE-only ones, with the same roundings)."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (q, key)):
+def _dot_chunks(typingctx, queries, key, n_chunks):
+    """``sum_j q[j] * key[j]`` for each query row ``q`` of the tuple ``queries`` over the first ``8 * n_chunks``
+    elements of contiguous rows (``key`` fp32, or bf16 bits as uint16; each key chunk is loaded once for every
+    query), in one order fixed by the code, not the compiler: per query an 8-lane vector accumulates chunk
+    after chunk (element ``j`` in lane ``j mod 8``; plain IEEE multiply then add, no fast-math flags), then
+    its halves are added, twice, down to one lane. One vector instruction per chunk on any x86 CPU (two on
+    SSE-only ones, with the same roundings). Returns a tuple of one float32 per query."""
+    rows = (key,) + tuple(queries) if isinstance(queries, types.BaseTuple) else ()
+    if not rows or not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in rows):
         return None
-    if q.dtype != types.float32 or key.dtype not in (types.float32, types.uint16):
+    if any(q.dtype != types.float32 for q in rows[1:]) or key.dtype not in (types.float32, types.uint16):
         return None
+    m = len(rows) - 1
     f32x8 = ir.VectorType(ir.FloatType(), _LANES)
     key_vec = f32x8 if key.dtype == types.float32 else ir.VectorType(ir.IntType(16), _LANES)
 
     def codegen(context, builder, sig, args):
-        q_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        q_types = sig.args[0]
+        q_data = [context.make_array(q_types[i])(context, builder, a).data
+                  for i, a in enumerate(cgutils.unpack_tuple(builder, args[0], m))]
         key_data = context.make_array(sig.args[1])(context, builder, args[1]).data
-        acc = cgutils.alloca_once_value(builder, ir.Constant(f32x8, None))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(f32x8, None)) for _ in range(m)]
         with cgutils.for_range(builder, args[2]) as loop:
             offset = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
-            qv = builder.load(builder.bitcast(builder.gep(q_data, [offset]), f32x8.as_pointer()), align=4)
             kv = builder.load(builder.bitcast(builder.gep(key_data, [offset]), key_vec.as_pointer()),
                               align=key.dtype.bitwidth // 8)
             if key_vec is not f32x8:  # bf16 bits -> fp32, as key_f32
                 i32x8 = ir.VectorType(ir.IntType(32), _LANES)
                 kv = builder.bitcast(builder.shl(builder.zext(kv, i32x8), ir.Constant(i32x8, [16] * _LANES)), f32x8)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv)), acc)
-        v, width = builder.load(acc), _LANES
-        while width > 1:
-            v = builder.fadd(*_lane_halves(builder, v, width))
-            width //= 2
-        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
-    return types.float32(q, key, n_chunks), codegen
+            for data, acc in zip(q_data, accs):
+                qv = builder.load(builder.bitcast(builder.gep(data, [offset]), f32x8.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv)), acc)
+        totals = []
+        for acc in accs:
+            v, width = builder.load(acc), _LANES
+            while width > 1:
+                v = builder.fadd(*_lane_halves(builder, v, width))
+                width //= 2
+            totals.append(builder.extract_element(v, ir.Constant(ir.IntType(32), 0)))
+        return context.make_tuple(builder, sig.return_type, totals)
+    return types.UniTuple(types.float32, m)(queries, key, n_chunks), codegen
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
 def dot_key(qv, key):
     """``q.k`` of a query row ``qv [d]`` (fp32) and a stored key row ``key [d]`` (:func:`key_f32`'s types):
     :func:`_dot_chunks` over the first ``8 * (d // 8)`` elements, then the rest added in turn. Every score
-    of the search comes from here, so one key scored by two paths of the search (a group's level-0 pass and
-    one query's, an upper level and level 0) has one score, on any CPU and vector width."""
+    of the search comes from here or :func:`dot_key3` (the same arithmetic per query), so one key scored by
+    two paths of the search (a group's level-0 pass and one query's, an upper level and level 0) has one
+    score, on any CPU and vector width."""
     d = qv.shape[0]
     full = d // 8
-    total = _dot_chunks(qv, key, full)
+    (total,) = _dot_chunks((qv,), key, full)
     for j in range(full * 8, d):
         total += qv[j] * key_f32(key[j])
     return total
+
+
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
+def dot_key3(q0, q1, q2, key):
+    """:func:`dot_key` of three query rows with one key row, the key read once: the same three scores."""
+    d = q0.shape[0]
+    full = d // 8
+    t0, t1, t2 = _dot_chunks((q0, q1, q2), key, full)
+    for j in range(full * 8, d):
+        k = key_f32(key[j])
+        t0 += q0[j] * k
+        t1 += q1[j] * k
+        t2 += q2[j] * k
+    return t0, t1, t2
 
 
 # LLVM >= 16 (llvmlite >= 0.45) names the intrinsic after an opaque pointer, older ones after i8*
