@@ -54,9 +54,10 @@ def title_text(bench: dict) -> str:
         or "unrecorded hardware"
     dtype = str(env.get("dtype", "?")).removeprefix("torch.")
     rows = [r for cells in method_cells(bench).values() for r in cells.values()]
+    repeats = repeats_text(rows)
     return (f"TPOT vs context: {env.get('model', '?')}, budget {env.get('budget', '?')}, "
             f"{env.get('new_tokens', '?')} new tokens\n{chip}, {env.get('threads', '?')} threads, {dtype}, "
-            f"{repeats_text(rows)} {'repeat' if repeats_text(rows) == '1' else 'repeats'} per cell")
+            f"{repeats} {'repeat' if repeats == '1' else 'repeats'} per cell")
 
 
 def _length_ticks(ax, lengths) -> None:

@@ -43,8 +43,8 @@ from numba.extending import intrinsic
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 # the search's flags: without "reassoc" and "contract" the compiler keeps the order of operations written
 # (no reordered sums, no fused multiply-adds). With them the vectoriser picks a sum order per loop, CPU and
-# vector width, and two paths of the search ranked one page by scores an ulp apart on some CPUs; the scores
-# now come from :func:`dot_key`, whose order is explicit
+# vector width, and two paths of the search can score one key an ulp apart; the search's scores come from
+# :func:`dot_key`, whose order is explicit
 EXACT = {"nsz", "arcp", "afn"}
 
 # the index's arrays (module docstring); the tuples hold references, so kernels write in place
