@@ -490,18 +490,21 @@ def test_search_is_the_same_whatever_the_threads_share_of_query_heads(monkeypatc
 @pytest.mark.parametrize("ratio_1, k_pages", [(0.02, 3), (0.05, 1), (0.1, 6)])
 def test_search_equals_the_tree_reference_under_both_candidate_rules(rule, ratio_1, k_pages):
     """Every child of an expanded node scored (prop 1): the kernel's ranked pages equal a plain search over
-    the tree (tests/dci_reference.py), for this project's candidate rule and the C code's."""
+    the tree (tests/dci_reference.py), for this project's candidate rule and the C code's, at a result width
+    of ``K`` and of 10 (the C rule's level 0 skips the children below the result's floor, which depends on
+    the width: ``_level0.rank_top_children``)."""
     heads, n = 2, 1500
     keys = _keys(heads, n, seed=11)
     index = MDCIIndex.build(keys, torch.arange(n), DCIConfig(ratio_1=ratio_1, prop_to_retrieve=1.0,
                                                              candidate_rule=rule))
     q = torch.randn(6, D, generator=torch.Generator().manual_seed(12))
     fov = index.cfg.fov(n)
-    pages = index.search_scored(q, k_pages, 10)[0]
-    for qh in range(6):
-        ref = search_pages(index, keys, q[qh], qh // 3, k_pages, fov, rule)[:10]
-        assert pages[qh, : len(ref)].tolist() == ref
-        assert (pages[qh, len(ref):] == -1).all()
+    for width in (k_pages, 10):
+        pages = index.search_scored(q, k_pages, width)[0]
+        for qh in range(6):
+            ref = search_pages(index, keys, q[qh], qh // 3, k_pages, fov, rule)[:width]
+            assert pages[qh, : len(ref)].tolist() == ref
+            assert (pages[qh, len(ref):] == -1).all()
 
 
 def test_official_candidate_rule_ranks_fewer_pages_and_changes_some_results():

@@ -158,24 +158,68 @@ def keep_best(score, page, n, k, buf_s, buf_p):
     return min(n + 1, k)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def raise_page(pg, score, best, touched, n_touched, top_s, top_p, n_top):
+    """:func:`rank` (page ``pg``'s best becomes at least ``score``), keeping ``top_s[:n_top]`` the highest page
+    bests (``C`` = ``top_s.shape[0]`` of them, descending; ``top_p`` their pages). Returns ``(n_touched,
+    n_top)``."""
+    old = best[pg]
+    n_touched = rank(pg, score, best, touched, n_touched)
+    new = best[pg]
+    if not new > old:
+        return n_touched, n_top
+    cap = top_s.shape[0]
+    if old > -np.inf and (n_top < cap or old >= top_s[n_top - 1]):  # pg may be listed with its old best
+        for a in range(n_top):
+            if top_p[a] == pg:
+                for b in range(a, n_top - 1):
+                    top_s[b], top_p[b] = top_s[b + 1], top_p[b + 1]
+                n_top -= 1
+                break
+    return n_touched, keep_best(new, pg, n_top, cap, top_s, top_p)
+
+
+@njit(cache=True, nogil=True)
+def list_touched(best, touched, n_touched, top_s, top_p):
+    """The highest bests of the pages touched so far (distinct) into ``top_s``/``top_p`` (see
+    :func:`raise_page`); returns their number."""
+    n_top = 0
+    for a in range(n_touched):
+        n_top = keep_best(best[touched[a]], touched[a], n_top, top_s.shape[0], top_s, top_p)
+    return n_top
+
+
 @njit(cache=True, nogil=True, fastmath=EXACT)
-def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p):
+def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p,
+                      top_s, top_p, n_top):
     """Level 0 under the C rule (``dci_query_single_point_single_level`` with ``num_neighbours = K`` and
     ``add_to_list``): of the children ``lo .. hi-1`` of ``node`` that the query scores, only the ``K``
     best rank their pages, best first (ties: the earlier child in projection order; :func:`keep_best`).
-    ``buf_s``, ``buf_p``: scratch of at least ``K`` entries. Returns ``n_touched``."""
+    ``buf_s``, ``buf_p``: scratch of at least ``K`` entries. Returns ``(n_touched, n_top)``.
+
+    The output floor: ``top_s[:n_top]`` holds the ``C`` highest page bests so far (:func:`raise_page`; ``C``
+    = the result's width). Page bests only rise, so once ``C`` pages are listed, a child scoring below the
+    ``C``-th can neither enter the result nor change a listed page's best, and it is not offered to the
+    node's top-``K``; the children at or above the floor form the same prefix of that top-``K`` as before.
+    The result's pages and scores are those of the full ranking. Only the touching order of pages whose
+    best is below the floor is not recorded, and it breaks ties: two result pages whose best scores are
+    exactly equal (the same fp32 value from two different keys) can come out in the other order."""
+    cap = top_s.shape[0]
+    floor = top_s[cap - 1] if n_top == cap else -np.inf
     n = 0
     i = 0
     pg = nodes.first[h, node]
     for _ in range(nodes.npages[h, node]):
         v = pages.valid[h, pg]
         for s in range(max(lo - i, 0), min(hi - i, v)):
-            n = keep_best(dot_key(qv, pages.keys[h, pg, s]), pg, n, k_pages, buf_s, buf_p)
+            score = dot_key(qv, pages.keys[h, pg, s])
+            if score >= floor:
+                n = keep_best(score, pg, n, k_pages, buf_s, buf_p)
         i += v
         pg = pages.next[h, pg]
     for a in range(n):
-        n_touched = rank(buf_p[a], buf_s[a], best, touched, n_touched)
-    return n_touched
+        n_touched, n_top = raise_page(buf_p[a], buf_s[a], best, touched, n_touched, top_s, top_p, n_top)
+    return n_touched, n_top
 
 
 @njit(cache=True, nogil=True)

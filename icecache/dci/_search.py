@@ -10,7 +10,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit, prange
 
-from ._level0 import level0_runs, rank, rank_top_children, score_level0, top_pages
+from ._level0 import level0_runs, list_touched, rank, rank_top_children, score_level0, top_pages
 from ._walk import visited_run
 from .intrinsics import EXACT, dot_key, prefetch
 
@@ -136,8 +136,9 @@ def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts
     """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
     descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
     scored for the group in one pass (:func:`~icecache.dci._level0.score_level0`), or per query under the C
-    rule (:func:`~icecache.dci._level0.rank_top_children`). Writes ``counts [G, 2]`` (keys scored, nodes
-    expanded; :func:`search`)."""
+    rule (:func:`~icecache.dci._level0.rank_top_children`, which skips the children below each query's output
+    floor, the ``C``-th best page so far, seeded with the pages the upper levels ranked). Writes ``counts [G,
+    2]`` (keys scored, nodes expanded; :func:`search`)."""
     n_group = q_group.shape[0]
     n_pages_h = pages.used[h]
     n_upper, max_children = params.n_upper, params.max_children
@@ -165,10 +166,16 @@ def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts
     if params.official:
         buf_s = np.empty(max(params.k_pages, 1), dtype=np.float32)
         buf_p = np.empty(max(params.k_pages, 1), dtype=np.int64)
+        top_s = np.empty((n_group, out.shape[1]), dtype=np.float32)
+        top_p = np.empty((n_group, out.shape[1]), dtype=np.int64)
+        n_top = np.empty(n_group, dtype=np.int64)
+        for g in range(n_group):
+            n_top[g] = list_touched(best[g], touched[g], n_touched[g], top_s[g], top_p[g])
         for r in range(n_runs):
             g = runs[r, 1]
-            n_touched[g] = rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3], params.k_pages,
-                                             pages, nodes, best[g], touched[g], n_touched[g], buf_s, buf_p)
+            n_touched[g], n_top[g] = rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3],
+                                                       params.k_pages, pages, nodes, best[g], touched[g],
+                                                       n_touched[g], buf_s, buf_p, top_s[g], top_p[g], n_top[g])
     else:
         score_level0(h, q_group, runs[order], n_runs, pages, nodes, best, touched, n_touched)
     for g in range(n_group):
