@@ -12,6 +12,10 @@ Quick use::
 
 By name (any method, baselines included): ``from evals.registry import make_cache``.
 """
-from .kv import KVCache, KVMethod
+from .kernel_cache import use_versioned_cache
+
+use_versioned_cache()  # before any kernel module is imported: the cache folder follows the kernels' source
+
+from .kv import KVCache, KVMethod  # noqa: E402
 
 __all__ = ["KVCache", "KVMethod"]

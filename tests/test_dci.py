@@ -432,12 +432,16 @@ def _dot_in_the_written_order(q, key):
 def test_every_score_is_the_dot_product_in_one_written_order(d, storage):
     """Scores must not depend on how the compiler vectorised the loop that computed them (on some CPUs the
     group's level-0 pass and a single query's search scored one key an ulp apart): ``dot_key`` equals, bit
-    for bit, the dot product summed in its documented order, for fp32 keys and bf16 keys (stored as bits)."""
+    for bit, the dot product summed in its documented order, for fp32 keys and bf16 keys (stored as bits),
+    and so do the side-by-side forms: three queries with one key (``dot_key3``) and one query with four keys
+    (``dot_keys4``)."""
     from numba import njit
 
-    from icecache.dci.intrinsics import dot_key
+    from icecache.dci.intrinsics import dot_key, dot_key3, dot_keys4
 
     score = njit(lambda q, keys, i: dot_key(q, keys[i]))
+    three = njit(lambda q, keys, i: dot_key3(q[0], q[1], q[2], keys[i]))
+    four = njit(lambda q, keys, i: dot_keys4(q, keys[i], keys[i + 1], keys[i + 2], keys[i + 3]))
     rng = np.random.default_rng(d)
     q = rng.standard_normal(d).astype(np.float32) * 3
     keys = torch.from_numpy(rng.standard_normal((50, d)).astype(np.float32) * 3)
@@ -449,6 +453,11 @@ def test_every_score_is_the_dot_product_in_one_written_order(d, storage):
     as_f32 = keys.float().numpy()
     for i in range(50):
         assert score(q, stored, i) == _dot_in_the_written_order(q, as_f32[i])
+    for i in range(0, 48, 4):
+        assert four(q, stored, i) == tuple(_dot_in_the_written_order(q, as_f32[i + j]) for j in range(4))
+    qs = np.stack([q, -q / 3, q[::-1].copy()])
+    for i in range(50):
+        assert three(qs, stored, i) == tuple(_dot_in_the_written_order(qs[g], as_f32[i]) for g in range(3))
 
 
 @pytest.mark.parametrize("group, chunk", [(3, 128), (7, 128), (3, 4)])

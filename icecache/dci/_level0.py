@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from ._walk import child_count, chunk_walk, fill_positions
-from .intrinsics import EXACT, dot_key, dot_key3, prefetch, prefetch_row
+from .intrinsics import EXACT, dot_key, dot_key3, dot_keys4, prefetch, prefetch_row
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -189,6 +189,14 @@ def list_touched(best, touched, n_touched, top_s, top_p):
     return n_top
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _offer(score, floor, pg, n, k, buf_s, buf_p):
+    """:func:`keep_best` of ``(score, pg)`` if ``score`` reaches ``floor``; returns the list's length."""
+    if score >= floor:
+        return keep_best(score, pg, n, k, buf_s, buf_p)
+    return n
+
+
 @njit(cache=True, nogil=True, fastmath=EXACT)
 def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched, n_touched, buf_s, buf_p,
                       top_s, top_p, n_top):
@@ -211,10 +219,18 @@ def rank_top_children(h, qv, node, lo, hi, k_pages, pages, nodes, best, touched,
     pg = nodes.first[h, node]
     for _ in range(nodes.npages[h, node]):
         v = pages.valid[h, pg]
-        for s in range(max(lo - i, 0), min(hi - i, v)):
-            score = dot_key(qv, pages.keys[h, pg, s])
-            if score >= floor:
-                n = keep_best(score, pg, n, k_pages, buf_s, buf_p)
+        _prefetch_page(h, pages.next[h, pg], pages)
+        keys = pages.keys[h, pg]
+        s, end = max(lo - i, 0), min(hi - i, v)
+        while s + 4 <= end:  # four children's dot products side by side, offered in child order
+            d0, d1, d2, d3 = dot_keys4(qv, keys[s], keys[s + 1], keys[s + 2], keys[s + 3])
+            n = _offer(d0, floor, pg, n, k_pages, buf_s, buf_p)
+            n = _offer(d1, floor, pg, n, k_pages, buf_s, buf_p)
+            n = _offer(d2, floor, pg, n, k_pages, buf_s, buf_p)
+            n = _offer(d3, floor, pg, n, k_pages, buf_s, buf_p)
+            s += 4
+        for t in range(s, end):
+            n = _offer(dot_key(qv, keys[t]), floor, pg, n, k_pages, buf_s, buf_p)
         i += v
         pg = pages.next[h, pg]
     for a in range(n):

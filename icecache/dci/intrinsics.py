@@ -25,9 +25,9 @@ Invariant: a node's pages, followed through ``Pages.next``, hold its children so
 
 The kernels live by job: construction in ``_build.py``, the query in ``_search.py`` (upper levels),
 ``_level0.py`` (level 0 and page ranking) and ``_walk.py`` (one node's visiting order), insertion in
-``_insert.py``. numba's on-disk cache (``cache=True``) checks only the source file of the cached function,
-so a kernel compiled from another module's helpers is recompiled when its own file changes, not when the
-helper's does: after editing this module, delete the package's ``__pycache__``.
+``_insert.py``. numba's on-disk cache (``cache=True``) checks only the source file of the cached function, so
+the cache folder is named after a digest of every kernel file (:mod:`icecache.kernel_cache`): editing a
+helper here recompiles the kernels that inline it.
 """
 
 from __future__ import annotations
@@ -79,38 +79,50 @@ def _lane_halves(builder, v, width):
 
 
 @intrinsic
-def _dot_chunks(typingctx, queries, key, n_chunks):
-    """``sum_j q[j] * key[j]`` for each query row ``q`` of the tuple ``queries`` over the first ``8 * n_chunks``
-    elements of contiguous rows (``key`` fp32, or bf16 bits as uint16; each key chunk is loaded once for every
-    query), in one order fixed by the code, not the compiler: per query an 8-lane vector accumulates chunk
-    after chunk (element ``j`` in lane ``j mod 8``; plain IEEE multiply then add, no fast-math flags), then
-    its halves are added, twice, down to one lane. One vector instruction per chunk on any x86 CPU (two on
-    SSE-only ones, with the same roundings). Returns a tuple of one float32 per query."""
-    rows = (key,) + tuple(queries) if isinstance(queries, types.BaseTuple) else ()
-    if not rows or not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in rows):
+def _dot_chunks(typingctx, queries, keys, n_chunks):
+    """``sum_j q[j] * k[j]`` over the first ``8 * n_chunks`` elements of contiguous rows, for each pair of rows
+    ``(queries[i], keys[i])`` of two tuples (queries fp32; keys fp32, or bf16 bits as uint16; a one-row
+    ``keys`` pairs its row with every query and loads it once per chunk), in one order fixed by the code, not the
+    compiler: per pair an 8-lane vector accumulates chunk after chunk (element ``j`` in lane ``j mod 8``;
+    plain IEEE multiply then add, no fast-math flags), then its halves are added, twice, down to one lane.
+    One vector instruction per chunk on any x86 CPU (two on SSE-only ones, with the same roundings). The
+    pairs' sums are independent chains, so several pairs run at once; each has the arithmetic of a pair
+    alone. Returns a tuple of one float32 per pair."""
+    if not (isinstance(queries, types.BaseTuple) and isinstance(keys, types.BaseTuple)
+            and len(keys) in (1, len(queries)) and len(queries) > 0):
         return None
-    if any(q.dtype != types.float32 for q in rows[1:]) or key.dtype not in (types.float32, types.uint16):
+    rows = tuple(queries) + tuple(keys)
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in rows):
         return None
-    m = len(rows) - 1
+    if any(q.dtype != types.float32 for q in queries) or any(k.dtype not in (types.float32, types.uint16)
+                                                             for k in keys):
+        return None
+    m = len(queries)
     f32x8 = ir.VectorType(ir.FloatType(), _LANES)
-    key_vec = f32x8 if key.dtype == types.float32 else ir.VectorType(ir.IntType(16), _LANES)
+    i32x8 = ir.VectorType(ir.IntType(32), _LANES)
+
+    def load_rows(context, builder, tuple_type, value):
+        return [context.make_array(tuple_type[i])(context, builder, a).data
+                for i, a in enumerate(cgutils.unpack_tuple(builder, value, len(tuple_type)))]
+
+    def load_key(builder, data, dtype, offset):
+        vec = f32x8 if dtype == types.float32 else ir.VectorType(ir.IntType(16), _LANES)
+        kv = builder.load(builder.bitcast(builder.gep(data, [offset]), vec.as_pointer()), align=dtype.bitwidth // 8)
+        if dtype != types.float32:  # bf16 bits -> fp32, as key_f32
+            kv = builder.bitcast(builder.shl(builder.zext(kv, i32x8), ir.Constant(i32x8, [16] * _LANES)), f32x8)
+        return kv
 
     def codegen(context, builder, sig, args):
-        q_types = sig.args[0]
-        q_data = [context.make_array(q_types[i])(context, builder, a).data
-                  for i, a in enumerate(cgutils.unpack_tuple(builder, args[0], m))]
-        key_data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        q_data = load_rows(context, builder, sig.args[0], args[0])
+        k_data = load_rows(context, builder, sig.args[1], args[1])
         accs = [cgutils.alloca_once_value(builder, ir.Constant(f32x8, None)) for _ in range(m)]
         with cgutils.for_range(builder, args[2]) as loop:
             offset = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
-            kv = builder.load(builder.bitcast(builder.gep(key_data, [offset]), key_vec.as_pointer()),
-                              align=key.dtype.bitwidth // 8)
-            if key_vec is not f32x8:  # bf16 bits -> fp32, as key_f32
-                i32x8 = ir.VectorType(ir.IntType(32), _LANES)
-                kv = builder.bitcast(builder.shl(builder.zext(kv, i32x8), ir.Constant(i32x8, [16] * _LANES)), f32x8)
-            for data, acc in zip(q_data, accs):
-                qv = builder.load(builder.bitcast(builder.gep(data, [offset]), f32x8.as_pointer()), align=4)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv)), acc)
+            kvs = [load_key(builder, data, sig.args[1][i].dtype, offset) for i, data in enumerate(k_data)]
+            for i in range(m):
+                kv = kvs[i % len(kvs)]
+                qv = builder.load(builder.bitcast(builder.gep(q_data[i], [offset]), f32x8.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(accs[i]), builder.fmul(qv, kv)), accs[i])
         totals = []
         for acc in accs:
             v, width = builder.load(acc), _LANES
@@ -119,7 +131,7 @@ def _dot_chunks(typingctx, queries, key, n_chunks):
                 width //= 2
             totals.append(builder.extract_element(v, ir.Constant(ir.IntType(32), 0)))
         return context.make_tuple(builder, sig.return_type, totals)
-    return types.UniTuple(types.float32, m)(queries, key, n_chunks), codegen
+    return types.UniTuple(types.float32, m)(queries, keys, n_chunks), codegen
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
@@ -131,7 +143,7 @@ def dot_key(qv, key):
     score, on any CPU and vector width."""
     d = qv.shape[0]
     full = d // 8
-    (total,) = _dot_chunks((qv,), key, full)
+    (total,) = _dot_chunks((qv,), (key,), full)
     for j in range(full * 8, d):
         total += qv[j] * key_f32(key[j])
     return total
@@ -142,13 +154,28 @@ def dot_key3(q0, q1, q2, key):
     """:func:`dot_key` of three query rows with one key row, the key read once: the same three scores."""
     d = q0.shape[0]
     full = d // 8
-    t0, t1, t2 = _dot_chunks((q0, q1, q2), key, full)
+    t0, t1, t2 = _dot_chunks((q0, q1, q2), (key,), full)
     for j in range(full * 8, d):
         k = key_f32(key[j])
         t0 += q0[j] * k
         t1 += q1[j] * k
         t2 += q2[j] * k
     return t0, t1, t2
+
+
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
+def dot_keys4(qv, k0, k1, k2, k3):
+    """:func:`dot_key` of one query row with four key rows, the four sums computed side by side (independent
+    chains, so they overlap instead of each waiting for the previous one): the same four scores."""
+    d = qv.shape[0]
+    full = d // 8
+    t0, t1, t2, t3 = _dot_chunks((qv, qv, qv, qv), (k0, k1, k2, k3), full)
+    for j in range(full * 8, d):
+        t0 += qv[j] * key_f32(k0[j])
+        t1 += qv[j] * key_f32(k1[j])
+        t2 += qv[j] * key_f32(k2[j])
+        t3 += qv[j] * key_f32(k3[j])
+    return t0, t1, t2, t3
 
 
 # LLVM >= 16 (llvmlite >= 0.45) names the intrinsic after an opaque pointer, older ones after i8*
