@@ -43,3 +43,13 @@ def test_a_tiny_run_reports_both_times_and_the_scored_keys():
     assert 0 < row["scored_per_query_head"] <= 700 and 0 < row["scored_fraction"] <= 1
     assert row["search_ms"] > 0 and row["scan_ms"] > 0
     assert row["search_over_scan"] == row["search_ms"] / row["scan_ms"]
+
+
+def test_scan_serves_groups_that_are_not_a_multiple_of_three():
+    index = search_bound.layer_indexes(_capture(), budget=256)[0]
+    queries = np.random.default_rng(0).standard_normal((3, 4, 64)).astype(np.float32)
+    counts = np.array([1, 333, 700])
+    best = search_bound.scan_keys(index.page_keys, index.page_valid_np, counts, queries)
+    for h in range(3):
+        expected = (queries[h].astype(np.float64) @ _stored_rows(index, h, counts[h]).T.astype(np.float64)).max(1)
+        np.testing.assert_allclose(best[h], expected, rtol=1e-5, atol=1e-4)

@@ -14,7 +14,7 @@ keys have left the caches by the time it is searched again:
 - ``search``: :meth:`~icecache.dci.MDCIIndex.search_scored` of one step's query heads for ``K`` pages (the
   official search; ``K`` = the retrieved pages of ``--budget``);
 - ``scan``: a plain pass over as many keys as that search scored, read in storage order from the same page
-  storage, every key read once for all the query heads of its KV head (:func:`scan_keys`). Per KV head it reads
+  storage, every key read once for three query heads of its KV head (all of them on SmolLM2, :func:`scan_keys`). Per KV head it reads
   the largest count of its query heads (:attr:`~icecache.dci.MDCIIndex.search_counts`), so it reads no more
   than the search must: the union of the query heads' keys is at least that large.
 
@@ -42,28 +42,47 @@ from numba import njit, prange
 from evals.output.results import git_state
 from evals.registry import method_class
 from icecache.dci import MDCIIndex
-from icecache.dci.intrinsics import EXACT, dot_key
+from icecache.dci.intrinsics import EXACT, dot_key, dot_key3
 from icecache.hardware import cpu_signature
+
+
+@njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
+def _scan_head(page_keys, page_valid, h, count, qs, best, g):
+    """Best ``q.k`` of the queries ``qs[g : g + 3]`` (fewer at the group's end) over the first ``count`` stored
+    keys of KV head ``h`` into ``best[h, g : g + 3]``: three queries share each key read
+    (:func:`~icecache.dci.intrinsics.dot_key3`, as the search scores a KV head's query heads together)."""
+    t0 = t1 = t2 = np.float32(-np.inf)
+    three = g + 3 <= qs.shape[0]
+    left = count
+    for pg in range(page_valid.shape[0]):
+        take = min(page_valid[pg], left)
+        for s in range(take):
+            key = page_keys[h, pg, s]
+            if three:
+                d0, d1, d2 = dot_key3(qs[g], qs[g + 1], qs[g + 2], key)
+                t0, t1, t2 = max(t0, d0), max(t1, d1), max(t2, d2)
+            else:
+                t0 = max(t0, dot_key(qs[g], key))
+        left -= take
+        if left == 0:
+            break
+    best[h, g] = t0
+    if three:
+        best[h, g + 1], best[h, g + 2] = t1, t2
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, parallel=True)
 def scan_keys(page_keys, page_valid, counts, queries):
     """Best ``q.k`` per query over the first ``counts[h]`` stored keys of KV head ``h``, pages in storage order
-    (``page_keys [H, P, S, d]``, ``page_valid [H, P]``), each key read once for the ``G`` queries ``queries
-    [H, G, d]`` (fp32) of its head: ``[H, G]``."""
-    heads, n_pages = page_valid.shape
-    group = queries.shape[1]
+    (``page_keys [H, P, S, d]``, ``page_valid [H, P]``), for the ``G`` queries ``queries [H, G, d]`` (fp32) of
+    each head, three per key read: ``[H, G]``."""
+    heads, group = queries.shape[0], queries.shape[1]
     best = np.full((heads, group), -np.inf, dtype=np.float32)
     for h in prange(heads):
-        left = counts[h]
-        for pg in range(n_pages):
-            take = min(page_valid[h, pg], left)
-            for s in range(take):
-                for g in range(group):
-                    best[h, g] = max(best[h, g], dot_key(queries[h, g], page_keys[h, pg, s]))
-            left -= take
-            if left == 0:
-                break
+        g = 0
+        while g < group:
+            _scan_head(page_keys, page_valid[h], h, counts[h], queries[h], best, g)
+            g += 3 if g + 3 <= group else 1
     return best
 
 
