@@ -14,11 +14,11 @@ keys have left the caches by the time it is searched again:
 - ``search``: :meth:`~icecache.dci.MDCIIndex.search_scored` of one step's query heads for ``K`` pages (the
   official search; ``K`` = the retrieved pages of ``--budget``);
 - ``scan``: a plain pass over as many keys as that search scored, read in storage order from the same page
-  storage, every key read once for three query heads of its KV head (all of them on SmolLM2, :func:`scan_keys`). Per KV head it reads
-  the largest count of its query heads (:attr:`~icecache.dci.MDCIIndex.search_counts`), so it reads no more
-  than the search must: the union of the query heads' keys is at least that large.
+  storage, every key read once for three query heads of its KV head (all of them on SmolLM2, :func:`scan_keys`).
+  Per KV head it reads the largest count of its query heads (:attr:`~icecache.dci.MDCIIndex.search_counts`), so
+  it reads no more than the search must: the union of the query heads' keys is at least that large.
 
-``scan`` keeps the search's arithmetic (:func:`~icecache.dci.intrinsics.dot_key`) and drops everything else: the
+``scan`` keeps the search's arithmetic (:func:`~icecache.dci.intrinsics.dot_key3`) and drops everything else: the
 tree, the scattered page order and the ranking. No search that scores the same keys, i.e. no search with the
 official selection, reads them faster than a contiguous pass, so ``scan`` is the lower reference for ``search``
 on this CPU; their ratio is how much of ``search`` is structure rather than reading. Both run with ``--threads``
