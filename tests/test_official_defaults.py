@@ -41,7 +41,7 @@ OFFICIAL = {
     "pqcache": dict(n_sink=4, n_subvec=2, n_bits=6),
 }
 
-NOT_PUBLISHED = {"full", "topk", "kvpress"}  # the full cache, the oracle and the kvpress adapter
+NOT_PUBLISHED = {"full", "topk", "page_oracle", "kvpress"}  # the full cache, the two oracles and the kvpress adapter
 
 
 def init_fields(method) -> dict:
