@@ -4,9 +4,18 @@ official code ``mit-han-lab/Quest``, ``evaluation/quest_attention.py``. Budget: 
 The KV cache is cut into pages of ``page_size`` tokens in token order. Per page and KV head the
 metadata is the element-wise minimum ``m_P`` and maximum ``M_P`` of its keys; at each decode step the
 criticality of a page for query ``q`` is ``sum_i max(q_i m_{P,i}, q_i M_{P,i})``, an upper bound of
-``q . k`` over the page. Each head attends to its top ``budget / page_size`` pages, the page holding the
-most recent tokens (and the current one) always among them, as Quest does. Prefill and the first
-``n_dense_layers`` layers use full attention.
+``q . k`` over the page. Each head attends to its top ``max(3, budget / page_size)`` pages by criticality
+(``evaluation/quest_attention.py`` lines 55-57, ``local_heavy_hitter_mask``), the newest page among them only
+if its criticality ranks it there: the current token is attended only when its page is selected, as in the
+official evaluation (line 217 masks every key outside the selected pages). ``force_last_page=True`` is the
+official kernel path instead (``quest/utils/controller.py`` line 14, "real page budget including the last
+page", lines 97-105: the top ``budget / page_size - 1`` pages of all but the last, plus the last one).
+Prefill and the first ``n_dense_layers`` layers use full attention (``quest_attention.py`` line 84:
+``q_len > 1 or self.layer_id < 2``).
+
+The official evaluation attends at least three pages (``max(3, token_budget // chunk_size)``), so a budget
+below ``3 * page_size`` tokens is rejected: it cannot be the official Quest and stay within the budget
+(the official scripts run 512-4096 tokens; at this harness's 64-256 with 16-token pages the floor never binds).
 
 GQA: selection is per *query head* (Quest's default; the official kernels are MHA), so the selection's
 head axis is ``H_q``; query head ``h`` bounds pages with its own query against the metadata of KV head
@@ -15,8 +24,9 @@ head axis is ``H_q``; query head ``h`` bounds pages with its own query against t
 Memory: as in the official Quest, every key and value stays resident (no offload); only the selected
 pages are attended (Quest saves bandwidth, not memory). ``resident_tokens`` therefore reports the whole
 cache, and the ``debug`` check asserts the *attended* past tokens per head instead (``<= budget``).
-Pages attended = ``budget / page_size``; the last page is partially filled, so the attended past tokens
-are ``budget - page_size + (tokens in the last page) - 1 <= budget``.
+Pages attended = ``top``; all of them full but the newest, so the attended past tokens of a head are
+``top * page_size`` without the newest page and ``top * page_size - (empty slots of the newest page) - 1``
+with it (the current token not counted), at most ``budget``.
 """
 from __future__ import annotations
 
@@ -65,24 +75,47 @@ class Quest(KVMethod):
     """Query-aware page selection by min/max key bounds.
 
     Args:
-        budget: past tokens attended per query head per step in a sparse layer; must be a multiple of
-            ``page_size`` (``budget / page_size`` pages, the last page included).
+        budget: past tokens attended per query head per step in a sparse layer at most; a multiple of
+            ``page_size`` of at least three pages (``max(3, budget / page_size)`` pages attended).
         page_size: tokens per page (paper: 16).
         n_dense_layers: the first layers that attend to everything (paper: 2; IceCache names it the same).
+        force_last_page: ``False`` (official evaluation, ``evaluation/quest_attention.py``): the top
+            ``max(3, budget / page_size)`` pages by criticality; ``True`` (official kernels,
+            ``quest/utils/controller.py``): the newest page always, plus the top ``budget / page_size - 1``
+            of the others.
     """
 
     page_size: int = 16
     n_dense_layers: int = 2
+    force_last_page: bool = False
     name: ClassVar[str] = "quest"
+    MIN_PAGES: ClassVar[int] = 3  # evaluation/quest_attention.py line 56: max(3, token_budget // chunk_size)
+
+    @property
+    def min_budget(self) -> int:
+        """The smallest budget (tokens) the configuration attends within: three pages for the evaluation's rule,
+        one for the kernels'."""
+        return (1 if self.force_last_page else self.MIN_PAGES) * self.page_size
+
+    @property
+    def top_pages(self) -> int:
+        """Pages attended per head once the context has that many: ``max(3, budget // page_size)`` (evaluation)
+        or ``budget // page_size`` (kernels); within the budget by :meth:`validate`."""
+        pages = self.budget // self.page_size
+        return pages if self.force_last_page else max(self.MIN_PAGES, pages)
 
     def validate(self) -> None:
         self.check_whole("page_size", minimum=1)
         self.check_whole("n_dense_layers")
-        if self.budget % self.page_size:
-            lower = self.budget // self.page_size * self.page_size
-            nearest = [b for b in (lower, lower + self.page_size) if b > 0]
-            raise BudgetError(f"quest: budget {self.budget} is not a multiple of page_size={self.page_size}; "
-                              f"nearest valid budgets: {' or '.join(map(str, nearest))}")
+        self.check_choice("force_last_page", (False, True))
+        if self.budget % self.page_size or self.budget < self.min_budget:
+            lower = max(self.budget // self.page_size * self.page_size, self.min_budget)
+            nearest = [lower] if lower >= self.budget else [lower, lower + self.page_size]
+            why = (f"is not a multiple of page_size={self.page_size}" if self.budget % self.page_size else
+                   f"is below the {self.min_budget // self.page_size} pages of {self.page_size} tokens the official "
+                   "evaluation attends at least (max(3, budget // page_size))")
+            raise BudgetError(f"quest: budget {self.budget} {why}; nearest valid budgets: "
+                              f"{' or '.join(map(str, nearest))}")
 
     def is_budgeted(self, layer_idx: int) -> bool:
         return layer_idx >= self.n_dense_layers
@@ -103,12 +136,13 @@ class Quest(KVMethod):
         st.buffers["kmax"], st.kmax = append_to_buffer(st.buffers.get("kmax"), st.kmax, hi)
 
     def select(self, st: QuestState, q: torch.Tensor) -> torch.Tensor | None:
-        """``[H_q, min(budget / page_size, pages)]`` page ids per query head, or None in a dense layer."""
+        """``[H_q, min(top_pages, pages)]`` page ids per query head, or None in a dense layer."""
         if not self.is_budgeted(st.layer_idx):
             return None
-        top = min(self.budget // self.page_size, st.kmin.shape[1])
+        top = min(self.top_pages, st.kmin.shape[1])
         bounds = page_upper_bounds(q[:, 0], st.kmin, st.kmax)
-        bounds[:, -1] = float("inf")  # the page with the most recent tokens is always attended
+        if self.force_last_page:
+            bounds[:, -1] = float("inf")  # the kernels' page budget includes the last page
         return bounds.topk(top, dim=-1).indices
 
     def fetch(self, st: QuestState, pages: torch.Tensor | None) -> Fetched:
@@ -119,7 +153,7 @@ class Quest(KVMethod):
         tokens, valid = self.page_tokens(pages, n)
         kv_head = (torch.arange(pages.shape[0], device=pages.device) // self.spec.group)[:, None]
         st.max_attended = self.attended_past(n, pages.shape[1])
-        return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid, n_past=float(st.max_attended))
+        return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid, n_past=self.past_per_head(pages, n))
 
     def page_tokens(self, pages: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token indices ``[H_q, top * page_size]`` of the selected pages (clamped to the ``n`` resident ones)
@@ -134,9 +168,22 @@ class Quest(KVMethod):
         return torch.where(valid, st.pos[tokens], -1)
 
     def attended_past(self, n: int, top: int) -> int:
-        """Past tokens each head attends to, from shapes (no host sync): ``top`` pages of ``n`` tokens, all
-        full but the last one, which every head attends (``ceil(n / page_size) * page_size - n`` empty slots)."""
-        return top * self.page_size - (-n % self.page_size) - 1
+        """The most past tokens a head can attend, from shapes (no host sync): ``top`` pages of ``n`` tokens, all
+        full but the newest (``ceil(n / page_size) * page_size - n`` empty slots, and the current token, which
+        is not counted); a head that leaves the newest page out attends ``top`` full pages (the debug check's
+        bound; every head attends the newest page when it is forced or when ``top`` covers the context)."""
+        if self.force_last_page or top * self.page_size >= n:
+            return top * self.page_size - (-n % self.page_size) - 1
+        return top * self.page_size
+
+    def past_per_head(self, pages: torch.Tensor, n: int) -> torch.Tensor | float:
+        """Mean past tokens attended per head: ``top`` pages, less the newest page's empty slots and the current
+        token for each head that selected it (a 0-d tensor on the pages' device: no host sync)."""
+        full = pages.shape[1] * self.page_size
+        if self.force_last_page:
+            return float(full - (-n % self.page_size) - 1)
+        newest = (pages == (n - 1) // self.page_size).any(-1).float()  # [H_q]: the head attends the newest page
+        return full - (newest * ((-n % self.page_size) + 1)).mean()
 
     def check_resident(self, st: QuestState) -> None:
         """All keys stay resident (no offload in Quest); debug mode checks the attended set instead."""

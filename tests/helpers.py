@@ -55,7 +55,7 @@ METHOD_ROWS = [
     MethodCase("h2o", covering=dict(budget=54), small=dict(budget=16), invalid=dict(chunk_size=0)),
     MethodCase("snapkv", covering=dict(budget=54), small=dict(budget=40), invalid=dict(kernel_size=4)),
     MethodCase("snapkv_pinned", covering=dict(budget=54), small=dict(budget=40), invalid=dict(decode_window=-1)),
-    MethodCase("quest", covering=dict(budget=64), small=dict(budget=32, n_dense_layers=0),
+    MethodCase("quest", covering=dict(budget=64), small=dict(budget=48, n_dense_layers=0),
                invalid=dict(n_dense_layers=-1)),
     # 4-token pages: 16 pages cover the 56-token context; 8 pages (2 sink, 2 window, top 4 - 3 = 1) do not
     MethodCase("arkvale", covering=dict(budget=64, page_size=4), small=dict(budget=32, page_size=4),

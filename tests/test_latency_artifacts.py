@@ -245,7 +245,10 @@ def test_quest_attended_count_from_shapes_equals_the_mask():
     method, st = cache.method, cache.states[3]
     pages = method.select(st, torch.randn(4, 1, 16))
     fetched = method.fetch(st, pages)
-    assert fetched.n_past == float(fetched.valid.sum(-1).float().mean()) - 1
+    n = st.k.shape[1]  # the current token (position n - 1) is not a past token; it is attended with its page
+    current = ((pages[..., None] * 16 + torch.arange(16)) == n - 1).flatten(1).any(-1)  # [H_q]
+    expected = (fetched.valid.sum(-1).float() - current.float()).mean()
+    assert float(fetched.n_past) == pytest.approx(float(expected))
 
 
 def test_icecache_decode_syncs_only_for_the_index(monkeypatch):
