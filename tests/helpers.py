@@ -64,9 +64,11 @@ METHOD_ROWS = [
     MethodCase("pqcache", covering=dict(budget=60), small=dict(budget=24), invalid=dict(n_bits=0)),
     MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
                small=dict(budget=16, filter_layers=[1], wait_layers=0), invalid=dict(selector="first")),
-    # the official configuration samples with K = 10 whatever the budget (its budget sets the exact part only);
-    # with K = 0 the same sampled path (offload, hash, lookup, weights) is exact, which is what this row checks
-    MethodCase("magicpig", covering=dict(budget=56, n_bits=0), small=dict(budget=24), invalid=dict(n_tables=0)),
+    # the official configuration attends 4 sinks + 64 local tokens and samples with K = 10 whatever the budget;
+    # the rows give it a local window the 48-token prompt does not fill, and with K = 0 the same sampled path
+    # (offload, hash, lookup, weights) is exact, which is what the covering row checks
+    MethodCase("magicpig", covering=dict(budget=56, n_bits=0, local_window=26), small=dict(budget=24, local_window=10),
+               invalid=dict(n_tables=0)),
     MethodCase("magicpig_calibrated", covering=dict(budget=56), small=dict(budget=24),
                invalid=dict(min_collisions=0)),
     MethodCase("icecache", covering=dict(budget=256, **ICECACHE_EXHAUSTIVE), small=dict(budget=64),

@@ -18,11 +18,11 @@ from icecache.kv.timing import PhaseTimer
 
 # Budgets that cover the whole context (prompt 48 + 8 new tokens): PQCache's top-k (28) holds every
 # candidate; OmniKV selects all 48 prompt tokens; MagicPIG's sample target (26) holds all 18 offloaded
-# tokens, so calibration picks K = 0 (the official fixed K given as 0): every key is a candidate with inclusion
-# probability exactly 1.
+# tokens, so calibration picks K = 0 (the official fixed K given as 0, with a 26-token local window: the official
+# 64 would hold the whole prompt): every key is a candidate with inclusion probability exactly 1.
 COVERING = [("pqcache", dict(budget=60)),
             ("omnikv", dict(budget=48, filter_layers=[1], wait_layers=0)),
-            ("magicpig", dict(budget=56, n_bits=0)),
+            ("magicpig", dict(budget=56, n_bits=0, local_window=26)),
             ("magicpig_calibrated", dict(budget=56))]
 
 
@@ -48,7 +48,7 @@ def test_budget_covering_context_matches_full(tiny_model, method, hp):
 def test_magicpig_all_candidates_with_exact_weights_matches_full():
     """K = 0 bits at a small budget: the exact part is small, every offloaded key is sampled with w = 1."""
     cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), "magicpig", budget=16, calibrate=False, n_bits=0,
-                                debug=True)
+                                local_window=6, debug=True)
     sparse = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
     assert all(s.store_k.shape[1] == 48 - 4 - 6 for s in sparse)
 
@@ -585,24 +585,27 @@ def test_magicpig_sampled_part_is_unbiased_for_exact_attention_over_hash_draws()
     assert float(rel.max()) < 0.04
 
 
-def test_magicpig_calibration_and_effective_tokens():
+@pytest.mark.parametrize("name,local", [("magicpig", 64), ("magicpig_calibrated", 30)])
+def test_magicpig_calibration_and_effective_tokens(name, local):
+    """The official local window is 64 tokens at any budget (models/attnserver.py num_local_tokens=64); the
+    calibrated variant's takes at most half of what the budget leaves after the 4 sinks."""
     model = build_tiny("tiny-llama", 2, 4)
-    _, cache = generate_with(model, _ids(300), 8, "magicpig", budget=64, debug=True)
+    _, cache = generate_with(model, _ids(300), 8, name, budget=64, debug=True)
     method = cache.method
-    assert method.dense == {0, 2} and (method.local, method.sample_target) == (30, 30)
+    assert method.dense == {0, 2} and method.local == local
     for st in cache.states:
         eff = cache.effective_tokens()[st.layer_idx]
         if st.layer_idx in method.dense:
             assert eff == 300 + 3.0  # 7 decode steps: 0..6 generated past tokens
             continue
-        assert st.n_bits > 0 and st.store_k.shape[1] == 300 - 4 - 30
-        exact = 4 + 30 + 3.0  # sinks + local + the generated tokens (kept, exempt)
+        assert st.n_bits > 0 and st.store_k.shape[1] == 300 - 4 - local
+        exact = 4 + local + 3.0  # sinks + local + the generated tokens (kept, exempt)
         assert exact < eff < exact + st.store_k.shape[1]  # some, not all, offloaded tokens were sampled
 
 
 # ------------------------------------------------------------------------------- shared properties
 SMALL = [("pqcache", dict(budget=16)), ("omnikv", dict(budget=16, filter_layers=[1], wait_layers=0)),
-         ("magicpig", dict(budget=16))]
+         ("magicpig", dict(budget=16, local_window=6))]
 
 
 @pytest.mark.parametrize("method,hp", SMALL, ids=[m for m, _ in SMALL])
@@ -638,10 +641,12 @@ def test_magicpig_default_is_the_official_configuration():
     """models/attnserver.py LSHSparseAttnServer(K=10, L=150), sinks 4, local 64, no calibration."""
     from evals.config import compose_config
 
-    official = make_method("magicpig", budget=256)
-    assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (10, 150, False,
-                                                                                                        4, 64)
-    assert make_method("magicpig_calibrated", budget=256).calibrate is True  # our extension is a named variant
+    for budget in (64, 128, 256):  # the official exact part is 4 sinks + 64 local tokens whatever the budget
+        official = make_method("magicpig", budget=budget)
+        assert (official.n_bits, official.n_tables, official.calibrate, official.n_sink, official.local) == (
+            10, 150, False, 4, 64)
+    ours = make_method("magicpig_calibrated", budget=64)  # our extensions are a named variant
+    assert (ours.calibrate, ours.shrink_local, ours.local, ours.sample_target) == (True, True, 30, 30)
     cache = compose_config(["cache=magicpig"])["cache"]
     assert (cache["name"], cache["calibrate"], cache["n_bits"], cache["n_tables"]) == ("magicpig", False, 10, 150)
 

@@ -124,9 +124,9 @@ def test_cli_prints_results_dir_last(tmp_path):
 
 
 def test_timing_json_records_the_method_stats_per_layer(tmp_path):
-    """MagicPIG's chosen K, expected sample size and target per sparse layer reach timing.json; the
+    """MagicPIG's chosen K, expected sample size and (calibrated) target per sparse layer reach timing.json; the
     dense layers 0 and 2 of the 4-layer model have none."""
-    run_dir = run_eval(tiny_cfg(tmp_path, cache="magicpig", budget=24))
+    run_dir = run_eval(tiny_cfg(tmp_path, cache="magicpig_calibrated", budget=24))
     timing = json.loads((run_dir / "timing.json").read_text())
     stats = timing["method_stats"]
     assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}

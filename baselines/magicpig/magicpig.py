@@ -23,15 +23,17 @@ Budget mapping: docs/architecture.md.
   ``sparse_attention/sparse_attention.cc`` ``transform_kernel``; :func:`importance_log_weight`), computed
   where the store lives (the official CPU part), and merged with the exact part by log-sum-exp.
 
-Budget ``B`` = exact part + expected sample size: ``local = min(local_window, (B - n_sink) // 2)``
-and, with ``calibrate=True``, each sparse layer picks the smallest ``K`` in ``[0, max_bits]`` whose
-expected sample size for the last prompt query (mean over heads of ``sum_j w_j``) is at most
-``B - n_sink - local`` (the reference calibrates ``(K, L)`` on a dev set; we calibrate ``K`` per layer
-on the prompt at ``L`` fixed). This calibration is our extension, the registered variant
-``cache=magicpig_calibrated`` (:class:`MagicPIGCalibrated`); ``cache=magicpig`` is the official configuration, a
-fixed ``K = 10, L = 150`` for every layer and prompt (``models/attnserver.py``), where the budget sets only the
-exact part and the sample size is whatever ``K = 10`` gives. Either way the chosen ``K``, the expected
-sample size and the target of every sparse layer are recorded (:meth:`MagicPIG.layer_stats`, ``timing.json``
+The official code has no budget: its exact part is ``num_sink_tokens = 4`` and ``num_local_tokens = 64``
+(``models/attnserver.py`` lines 14-15, the last 64 prompt tokens at line 129, whatever the prompt) and its
+sample is whatever ``K = 10, L = 150`` give (lines 11-12). ``cache=magicpig`` is that: ``local =
+local_window`` at every budget, so the budget changes nothing (the effective tokens show what it attended:
+68 exact tokens plus the sample, at 64 tokens too). This project's variant ``cache=magicpig_calibrated``
+(:class:`MagicPIGCalibrated`) makes the budget ``B`` = exact part + expected sample size: ``local =
+min(local_window, (B - n_sink) // 2)`` (``shrink_local``) and each sparse layer picks the smallest ``K`` in
+``[0, max_bits]`` whose expected sample size for the last prompt query (mean over heads of ``sum_j w_j``) is at
+most ``B - n_sink - local`` (``calibrate``; the reference calibrates ``(K, L)`` on a dev set; we calibrate
+``K`` per layer on the prompt at ``L`` fixed). Either way the chosen ``K`` and the expected sample size
+of every sparse layer (and, when calibrating, its target) are recorded (:meth:`MagicPIG.layer_stats`, ``timing.json``
 ``method_stats``, mean over samples), and when no ``K <= max_bits`` meets the target, calibration uses
 ``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged. Measured
 on SmolLM2-135M keys at 2k tokens (docs/fidelity.md): relative attention-output error 0.09-0.16 per layer at
@@ -146,12 +148,17 @@ class MagicPIG(KVMethod):
     """LSH (SimHash) sampling of the offloaded keys + exact sinks/local/generated, merged by LSE.
 
     Args:
-        budget: exact part (sinks + local) + expected sample size per head per sparse layer.
+        budget: with ``shrink_local`` and ``calibrate`` (:class:`MagicPIGCalibrated`), exact part (sinks +
+            local) + expected sample size per head per sparse layer; the official configuration has none and
+            attends the same whatever it is.
         n_bits: ``K``, sign bits per table (official 10); used as is when ``calibrate=False``.
         n_tables: ``L``, number of tables (official 150 in bench, 170 in generation).
         min_collisions: tables a key must share with the query to be sampled (official 2).
         n_sink: first tokens attended exactly (official 4).
-        local_window: last prompt tokens attended exactly (official 64; capped at (B - n_sink) // 2).
+        local_window: last prompt tokens attended exactly (official ``num_local_tokens = 64``, at every budget).
+        shrink_local: ``False`` (official): the local window is ``local_window``; ``True`` (this project's, with
+            :class:`MagicPIGCalibrated`): ``min(local_window, (budget - n_sink) // 2)``, so the exact part leaves
+            half the budget to the sample.
         dense_layers: layers kept dense; ``None`` scales the official ``0, 16`` of 32 layers to depth.
         calibrate: ``False`` (official: ``K = n_bits`` everywhere); ``True``: choose ``K`` per layer so the
             expected sample size fits the budget (this project's, :class:`MagicPIGCalibrated`).
@@ -168,6 +175,7 @@ class MagicPIG(KVMethod):
     n_sink: int = 4
     local_window: int = 64
     dense_layers: Sequence[int] | None = None
+    shrink_local: bool = False
     calibrate: bool = False
     max_bits: int = 20
     seed: int = 0
@@ -182,7 +190,11 @@ class MagicPIG(KVMethod):
 
     @property
     def local(self) -> int:
-        return min(self.local_window, (self.budget - self.n_sink) // 2)
+        """Prompt tokens of the local window: ``local_window`` (official), or at most half of what the budget
+        leaves after the sinks (``shrink_local``)."""
+        if self.shrink_local:
+            return min(self.local_window, (self.budget - self.n_sink) // 2)
+        return self.local_window
 
     @property
     def sample_target(self) -> int:
@@ -197,6 +209,10 @@ class MagicPIG(KVMethod):
         self.check_whole("n_bits", "n_sink", "local_window", "max_bits", "seed")
         self.check_whole("n_tables", "min_collisions", minimum=1)
         self.check_choice("calibrate", (False, True))
+        self.check_choice("shrink_local", (False, True))
+        if self.calibrate and self.sample_target < 1:
+            raise BudgetError(f"magicpig: budget {self.budget} leaves no sample to calibrate K for after {self.n_sink} "
+                              f"sinks and a local window of {self.local} (shrink_local=true halves the window)")
         self.check_choice("background_build", (None, False, True))
         if self.dense_layers is not None and not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"magicpig: dense_layers must be layer ids (whole numbers >= 0), got {self.dense_layers}")
@@ -306,7 +322,9 @@ class MagicPIG(KVMethod):
         ``method_stats``)."""
         if st.store_k is None or st.pending is not None:
             return {}
-        stats = {"lsh_bits": float(st.n_bits), "sample_target": float(self.sample_target)}
+        stats = {"lsh_bits": float(st.n_bits)}
+        if self.calibrate:
+            stats["sample_target"] = float(self.sample_target)
         if st.expected_samples is not None:
             stats["expected_samples"] = st.expected_samples
         return stats
@@ -378,7 +396,7 @@ class MagicPIG(KVMethod):
                 "index_bytes": index}
 
     def check_resident(self, st: PigState) -> None:
-        """Sparse layers: resident prompt tokens (sinks + local) within the exact part of the budget;
+        """Sparse layers: resident prompt tokens (sinks + local) within the exact part;
         generated tokens are kept on top (exempt, as the official generation buffer)."""
         if not self.is_budgeted(st.layer_idx):
             return
@@ -390,14 +408,16 @@ class MagicPIG(KVMethod):
 
 @dataclass
 class MagicPIGCalibrated(MagicPIG):
-    """MagicPIG with this project's per-layer calibration of ``K`` (``cache=magicpig_calibrated``), a registered
-    variant of :class:`MagicPIG` whose one deviation is ``calibrate=True``: each sparse layer picks the smallest
-    ``K <= max_bits`` whose expected sample size for the last prompt query fits the budget's sampled part, so the
-    budget sets the sample size too. Relative attention-output error on SmolLM2-135M keys at 2k tokens
+    """MagicPIG with this project's budget (``cache=magicpig_calibrated``), a registered variant of
+    :class:`MagicPIG` with two deviations: ``shrink_local=True`` (the local window takes at most half of what the
+    budget leaves after the sinks, where the official code keeps 64 tokens) and ``calibrate=True`` (each sparse
+    layer picks the smallest ``K <= max_bits`` whose expected sample size for the last prompt query fits the rest
+    of the budget), so the budget sets both parts. Relative attention-output error on SmolLM2-135M keys at 2k tokens
     (docs/fidelity.md): 0.09-0.16 per layer at budget 256 (K = 9) against 0.15-0.38 with the official K = 10,
     which samples the same ~60 keys whatever the budget."""
 
+    shrink_local: bool = True
     calibrate: bool = True
     name: ClassVar[str] = "magicpig_calibrated"
     extends: ClassVar[str] = "magicpig"  # the registered method whose official configuration this varies
-    deviations: ClassVar[tuple] = ("calibrate",)
+    deviations: ClassVar[tuple] = ("shrink_local", "calibrate")
