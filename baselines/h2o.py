@@ -41,8 +41,7 @@ def attention_with_column_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dtype, the softmax in fp32 (``softmax(..., dtype=float32)``); the column sums are accumulated from the
     fp32 probabilities (the official code sums them after the cast back to fp16). Memory ``H_q x chunk_size x
     n``; the GQA group shares one matmul with its KV head, so keys and values are never repeated per query
-    head. Computing the output separately (sdpa) would compute ``q.k`` twice: at 8k tokens, one layer on one
-    thread, sdpa + column sums took 4.8 s, this 2.8 s (fp32 matmuls then; see ``H2O.chunk_size``)."""
+    head. Computing the output separately (sdpa) would compute ``q.k`` twice (docs/fidelity.md, "H2O")."""
     (n_q, n, d), n_kv = q.shape, k.shape[0]
     queries = q.view(n_kv, -1, n, d)
     sums = torch.zeros(n_q, n, dtype=torch.float32, device=q.device)
@@ -69,9 +68,8 @@ class H2O(KVMethod):
         heavy_ratio: share of the budget for heavy hitters (paper: 1:1 heavy:recent, so 0.5);
             heavy = floor(heavy_ratio * budget), recent = budget - heavy.
         group_agg: how the G query heads of a KV head combine their scores: mean (kvpress), sum, max.
-        chunk_size: queries per chunk of the prefill attention (64: fastest of 32/64/128 at 8k, one SmolLM2
-            layer in bf16 on 2 threads, "AMD EPYC" with AVX512-BF16: 0.437 / 0.418 / 0.677 s, sdpa 0.547 s;
-            at 16k 3.17 s against sdpa's 2.18 s; the decode benchmark, docs/benchmarks.md).
+        chunk_size: queries per chunk of the prefill attention (64; the timings behind it: docs/fidelity.md,
+            "H2O").
     """
 
     heavy_ratio: float = 0.5

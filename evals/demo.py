@@ -1,7 +1,8 @@
 """``make demo``: the default comparison on the embedded model.
 
-Passkey retrieval at 2k and 4k tokens (4 depths each, to stay near 5 minutes on 2 cores) with budget 64 for the full cache, StreamingLLM
-and IceCache (the official configuration and the ``icecache_tuned`` variant) on SmolLM2-135M-Instruct; prints a table and saves ``results/demo/passkey_demo.png``
+Passkey retrieval at 2k and 4k tokens (4 depths each, to keep the demo short) with budget 64 for the full cache,
+StreamingLLM and IceCache (the official configuration and the ``icecache_tuned`` variant) on SmolLM2-135M-Instruct;
+prints a table and saves ``results/demo/passkey_demo.png``
 (bars from 0 labelled with their values, each run's n in the legend below the axes, dtype and hardware in the footer).
 """
 from __future__ import annotations

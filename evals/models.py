@@ -188,7 +188,7 @@ def follow_umask(folder: Path) -> None:
 
 
 def smollm2_checkpoint() -> Path:
-    """The bf16 checkpoint converted from the embedded GGUF (converted on first use, ~40 s; concurrent first
+    """The bf16 checkpoint converted from the embedded GGUF (converted once, at the first use; concurrent first
     uses convert once, :func:`build_checkpoint`)."""
     target = cache_home() / "smollm2-135m-instruct-bf16"
     if checkpoint_complete(target):
@@ -373,9 +373,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """The compute dtype of ``model.dtype`` on ``device``. ``auto``: bfloat16 on CUDA (the papers' setting);
     on a CPU :func:`icecache.hardware.preferred_cpu_dtype`, i.e. bfloat16 only when the CPU has native bf16
     arithmetic (``amx_bf16`` or ``avx512_bf16`` in ``/proc/cpuinfo``), else float32. Without those
-    instructions bf16 GEMMs and prefill ran 2-7x slower than fp32 here (docs/benchmarks.md, "CPU dtype"),
-    although the weight-bound decode step of SmolLM2 was faster in bf16; fp32 is kept there because prefill
-    dominates TT2T at long contexts and the CPU accuracy tables were measured in fp32."""
+    instructions bf16 GEMMs and prefill run slower than fp32 (docs/benchmarks.md, "CPU dtype"); fp32 is kept
+    there even where a weight-bound decode step is faster in bf16, because prefill dominates TT2T at long
+    contexts and the CPU accuracy tables are fp32."""
     if dtype == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else preferred_cpu_dtype()
     return getattr(torch, dtype)

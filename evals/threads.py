@@ -2,9 +2,9 @@
 
 torch and numba each keep an OpenMP pool whose idle threads spin (libgomp's default) before they sleep. Alone on
 its cores that is the fastest; beside other CPU-bound processes the spinning threads take the cores the others
-need, and ``k`` evaluations at once on 2 cores ran ~50x slower each instead of ~``k``x. So :func:`at_startup`
-looks at the machine before torch and numba are imported (libgomp reads ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``
-and ``OMP_NUM_THREADS`` when it loads):
+need: ``k`` evaluations at once each run far more than ``k`` times slower than alone (docs/benchmarks.md, "Threads
+and OpenMP waiting"). So :func:`at_startup` looks at the machine before torch and numba are imported (libgomp reads
+``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` and ``OMP_NUM_THREADS`` when it loads):
 
 - cores: the CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``);
 - others: the runnable threads of the machine besides this one, the first number of ``/proc/loadavg``'s
@@ -19,7 +19,7 @@ and ``OMP_NUM_THREADS`` when it loads):
 :func:`decide`: ``sharers = jobs + others`` processes share the cores. Alone (``sharers == 1``) the libraries keep
 their defaults (every core, spinning). Otherwise each process gets ``max(1, cores // sharers)`` threads, and its
 idle threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) when the sharers outnumber the cores (each passive
-parallel region then pays a thread wake-up, ~65 us, instead of starving the others). The settings
+parallel region then pays a thread wake-up instead of starving the others). The settings
 ``threads: auto|<n>`` and ``omp_wait: auto|spin|passive`` (conf/config.yaml) force either; ``OMP_NUM_THREADS``,
 ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment win over both. The choice is exported to the
 environment for the job processes of a sweep (:data:`PLAN_VAR`), applied per job by :func:`for_job` and recorded

@@ -3,7 +3,7 @@
 bf16 matmuls are only faster than fp32 on a CPU with native bf16 arithmetic: AMX tiles (``amx_bf16``,
 Intel Sapphire Rapids and later) or AVX512-BF16 dot products (``avx512_bf16``, Cooper Lake, Zen 4 and
 later), which oneDNN and PyTorch's CPU kernels use. Without them bf16 is converted to fp32 per element
-and runs slower than fp32 (measured with ``python -m evals.bench.cpu_dtype``; docs/benchmarks.md, "CPU dtype"). The
+and runs slower than fp32 (``python -m evals.bench.cpu_dtype`` compares the two; docs/benchmarks.md, "CPU dtype"). The
 flags are read from ``/proc/cpuinfo`` (Linux), i.e. what the kernel, and a hypervisor, expose: a VM on
 a CPU with AMX that hides the flags gets fp32, which is also what its kernels can use.
 """

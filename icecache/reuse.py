@@ -211,17 +211,14 @@ class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
     """IceCache(reuse) with this project's extensions (``cache=icecache_reuse_rerank``), a registered variant of
     :class:`IceCacheReuse`: every deviation of :class:`~icecache.tuned.IceCacheTuned` (``page_size`` 8 below 256
     tokens, ``prop_to_retrieve=1``, ``candidate_rule="scored"``, ``short_prompt="offload"``,
-    ``prefill_pipeline="overlap"``, ``projection="seeded"``: the numbers are there), plus (docs/benchmarks.md, "Why IceCache(reuse) loses
-    pass keys at 64 tokens" and "IceCache(reuse) with candidates of its own"; SmolLM2-135M, passkey 2k + 4k x 10
-    depths):
+    ``prefill_pipeline="overlap"``, ``projection="seeded"``), plus two of its own (the scores behind them:
+    docs/benchmarks.md, "Why IceCache(reuse) loses pass keys at 64 tokens" and "IceCache(reuse) with candidates
+    of its own"):
 
-    - ``rerank``: 3, each reusing layer re-ranks ``3 K`` of the anchor's candidates by its own exact softmax mass.
-      The official copy of the anchor's pages answered 5/17 pass keys at 64 tokens and 8/17 at 128 (seed 0, where
-      IceCache answered every one); re-ranking 3K: 11/20 and 16/20.
-    - ``own_candidates``: 4 below 256 tokens (0 from 256 on: not measured there), the ``4 K`` pages of the
-      highest Quest bound of the layer's own keys join the pool: 59/60 at 64 tokens on seeds 0-2 (IceCache 60/60),
-      where the anchor's candidates alone answered 19 of the 31 of seeds 0-1. The scan is linear in the pages,
-      so its cost grows with the context.
+    - ``rerank``: 3, each reusing layer re-ranks ``3 K`` of the anchor's candidates by its own exact softmax mass
+      instead of copying the anchor's pages.
+    - ``own_candidates``: 4 below 256 tokens (0 from 256 on), the ``4 K`` pages of the highest Quest bound of the
+      layer's own keys join the pool. The scan is linear in the pages, so its cost grows with the context.
     """
 
     rerank: int = 3

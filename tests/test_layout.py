@@ -50,50 +50,6 @@ def test_code_cites_no_file_outside_the_repository():
     assert not {k: v for k, v in cited.items() if v}
 
 
-# Words about how the repository was made, not about what it does: the working periods and automated workers
-# that wrote it, numbered tracker items, a service that loans machines and its time budget, notes on CI
-# internals. Each pattern is written so that its own source text does not match it.
-MAKING = re.compile(r"""
-      \b(?:sub|helper[\s-]?)?ag[e]nts?\b                 # the word, its plural, sub- and helper- forms
-    | \bsess[i]ons?\b
-    | \biss[u]es?\s*\#?\s*\d                             # a numbered tracker item, with or without '#'
-    | \(\#\d+\)                                          # a bare tracker number in parentheses
-    | \bl[e]n(?:d|ds|ding|t)\b | \bb[o]rrow(?:s|ed|ing)?\b
-    | \bdevice[ ]t[o]ol\b | \bgive[_]back\b | \bfiles[_]at\b | \b15[- ]min(?:ute)?s?[ ]b[u]dget\b
-    | \bCI[- ]int[e]rnal\b | \bhidden[ ]t[e]sts?\b | \bgr[a]der\b
-""", re.IGNORECASE | re.VERBOSE)
-# technical uses of those words: (file name or None for any file, pattern)
-MAKING_ALLOWED = (
-    (None, r"\buser[- ]ag[e]nt\b"),
-    (None, r"scope=\"sess[i]on\"|\btest sess[i]on\b"),          # pytest fixture scope
-    ("wandb_log.py", r"\bsess[i]ons?\b"),                       # a W&B run's context manager
-    ("harness.py", r"\.sess[i]on\("),                           # its call site
-    ("snapkv.py", r"\bl[e]nt\b"),                               # SnapKV's reserved slots held by voted tokens
-)
-TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".ipynb", ".toml", ".cfg", ".ini", ".txt"}
-
-
-def tracked_text_files() -> list[Path]:
-    import subprocess
-    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    paths = [REPO / n for n in names.splitlines()]
-    return [p for p in paths if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.name in {"Makefile", "run"})
-            and not (p.suffix == ".txt" and "reference_results" in p.parts)]
-
-
-def test_tracked_text_speaks_only_of_the_project():
-    found = {}
-    for path in tracked_text_files():
-        text = path.read_text(errors="replace")
-        for name, allowed in MAKING_ALLOWED:
-            if name is None or path.name == name:
-                text = re.sub(allowed, "", text, flags=re.IGNORECASE)
-        hits = sorted({m.group(0) for m in MAKING.finditer(text)})
-        if hits:
-            found[str(path.relative_to(REPO))] = hits
-    assert not found, found
-
-
 def test_evals_keeps_a_small_core_beside_tasks_output_and_bench():
     top = sorted(p.name for p in (REPO / "evals").glob("*.py"))
     assert len(top) <= EVALS_CORE, top

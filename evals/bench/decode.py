@@ -18,8 +18,8 @@ cells of one file may come from several commits (``--resume``); ``environment`` 
 Every (method, length) cell runs in a fresh process by default (``--in-process`` to share one), so no
 cell inherits another's allocator state, threads or caches (the numba kernels are compiled once before the
 first cell, :func:`warm_jit`, so no cell's TT2T includes a compilation; and each cell first runs one untimed
-short generation with its method, :func:`warm_cell`, so its TT2T is a request's, not the process's first:
-loading the numba kernels from the disk cache cost ~0.2 s per kernel at its first call), and each records its peak memory
+short generation with its method, :func:`warm_cell`, so its TT2T is a request's, not the process's first, which
+loads the numba kernels from the disk cache), and each records its peak memory
 (``peak_rss_bytes``, the process's ``ru_maxrss``: model + prefill + decode; on CUDA also
 ``peak_memory_bytes``, max allocated), which is how the prefill memory bound of a method is measured, and its KV
 memory by place after the last step (``device_kv_bytes``, what a GPU holds; ``host_kv_bytes``; ``index_bytes``).
@@ -31,17 +31,15 @@ and measures the missing or failed ones, so a long run can be extended.
 round ``r + 1`` starts), so the cells that are compared run minutes, not a whole run, apart; a cell's row is then
 the median of its repeats for each timing and each phase (the phases' medians need not sum to the median TPOT)
 and its peak memory the maximum, with every repeat kept under ``runs``. On a shared machine whose speed drifts
-(docs/benchmarks.md, "Threads and OpenMP waiting": repeats vary by up to ~15%) one cell per method cannot separate
-10% effects.
+(docs/benchmarks.md, "Threads and OpenMP waiting") one cell per method cannot separate small effects.
 
 OpenMP waiting (``--omp-wait``, CPU; recorded per cell as ``omp_wait``): ``spin`` (default) is libgomp's own
 default, idle threads spin ~300k iterations before they sleep (``GOMP_SPINCOUNT=300000``, set explicitly so an
 inherited ``OMP_WAIT_POLICY`` does not change it); ``passive`` makes them sleep at once, so every parallel region
-pays a thread wake-up (~65 us here: full's decode at 4k went 36-39 -> 52 ms per token on SmolLM2, "AMD EPYC",
-2 threads); ``active`` never sleeps. Every method runs under the same rule. Earlier tables ran IceCache passive
-because its decode looked no faster spinning: the prefill's background worker thread outlived the prefill, and
-libgomp, counting its OpenMP team beside the main one (more threads than cores), cut every team's spin to 1000
-iterations. The worker now exits once its last job is awaited (``KVMethod.await_background``).
+pays a thread wake-up (docs/benchmarks.md, "Threads and OpenMP waiting"); ``active`` never sleeps. Every method
+runs under the same rule. A method's background worker exits once its last job is awaited
+(``KVMethod.await_background``): a live worker's OpenMP team beside the main one makes libgomp count more threads
+than cores and cut every team's spin to 1000 iterations.
 
 Floor (:mod:`evals.bench.floor`): every cell also gets ``floor_s``, the TPOT its method would have if selecting,
 moving and updating keys were free: full's ``other`` at the same length + full's ``attention`` there x
@@ -235,9 +233,8 @@ def previous_results(args) -> dict:
 def warm_jit(methods, budget: int, dtype: str, device: str) -> None:
     """Compiles the numba kernels of ``methods`` (:data:`JIT_METHODS`) once, on a tiny random model of the
     benchmark's dtype, before any cell is timed. They are cached on disk (``@njit(cache=True)``), so every cell
-    loads them instead of compiling inside its prefill and first decode steps: on a cold cache the first
-    IceCache cell's TT2T included the compilation (Qwen2.5-Coder 8k, 2026-12-02: 144.0 s against 90.0 s for the
-    IceCache(reuse) cell that followed it, full 84.9 s)."""
+    loads them instead of compiling inside its prefill and first decode steps (on a cold cache the first cell of
+    a method would otherwise time its compilation in its TT2T)."""
     jit = [m for m in methods if m in JIT_METHODS]
     if not jit:
         return

@@ -259,7 +259,7 @@ def selector_masks(keys: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, ind
 
 
 def variants(index: MDCIIndex) -> dict:
-    """The default index, the first port's visiting rule (``visit_chunk=1``: exactly ``ceil(0.8 c)``
+    """The default index, the plain visiting rule (``visit_chunk=1``: exactly ``ceil(0.8 c)``
     children per expanded node) and the C code's candidate rule (``candidate_rule="official"``) over the
     same tree."""
     return {"icecache": index, "icecache_chunk1": _with(index, visit_chunk=1),
@@ -393,9 +393,8 @@ def method_configs(budgets, cfg: DCIConfig) -> dict:
 
 def _ensure_passive_omp(argv) -> None:
     """Re-run under ``OMP_WAIT_POLICY=PASSIVE`` unless set: torch and numba each keep an OpenMP pool
-    whose idle threads spin, and on a shared machine the spinning pools starve each other (build and
-    query times x10-x15 at a load of ~15 on 2 cores). The policy is read when OpenMP starts, i.e.
-    before torch is imported, hence the re-exec."""
+    whose idle threads spin, and on a shared machine the spinning pools starve each other. The policy is
+    read when OpenMP starts, i.e. before torch is imported, hence the re-exec."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.execv(sys.executable, [sys.executable, "-m", "evals.bench.index", *argv])

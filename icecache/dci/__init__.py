@@ -51,16 +51,16 @@ in projection (topped up from the other side when one side runs out); every chil
 scored; the walk stops after a chunk once ``ceil(prop_to_retrieve * c)`` children, ``num_neighbours``
 children (``fov`` above level 0, ``K`` at level 0) and, above level 0, ``K`` level-0 pages below them
 are scored. So a node with ``c <= 128`` children -- nearly every node with the default ratios -- is
-scored in full, and ``prop_to_retrieve`` only matters for larger nodes. ``visit_chunk=1`` gives the
-first port's rule (exactly ``ceil(0.8 c)`` children); on the captured SmolLM2 keys it lowers the
-recall at 256 tokens from 0.814 to 0.796 (mean), see docs/benchmarks.md, "Index benchmark".
+scored in full, and ``prop_to_retrieve`` only matters for larger nodes. ``visit_chunk=1`` scores
+exactly the ``ceil(0.8 c)`` children closest in projection instead; docs/benchmarks.md, "Index
+benchmark", compares the recall of the two rules.
 
 Threads: ``search`` runs in parallel over shares of the query heads (numba ``prange``; ``numba.set_num_threads``),
 ``bulk_load`` over KV heads, the dense parent searches in torch (``torch.set_num_threads``). Both use
 OpenMP; the numba threading layer is pinned to a thread-safe one (``threads.py``: the search and
 the background build run parallel regions concurrently). On a machine shared with other processes
 set ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported, or the spinning idle threads of the two
-pools starve each other (x10 and more).
+pools starve each other.
 
 Differences from the C code, and why:
 

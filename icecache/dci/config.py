@@ -21,8 +21,8 @@ class DCIConfig:
             proximity to the query (0.8, ``dci_query``), in chunks of ``visit_chunk``.
         visit_chunk: children are visited in runs of up to this many around ``p(q)`` (``CLOSEST`` =
             128 in the C code's ``dci_next_closest_proj``): a node with at most 128 children is scored
-            in full, a larger one in multiples of 128 until ``prop_to_retrieve`` is reached. 1 gives
-            exactly ``ceil(prop_to_retrieve * c)`` children (the behaviour of the first port).
+            in full, a larger one in multiples of 128 until ``prop_to_retrieve`` is reached. 1 scores
+            exactly the ``ceil(prop_to_retrieve * c)`` children closest in projection.
         candidate_rule: which scored tokens rank their pages in the result. ``"scored"`` (default): every
             token the search scores, upper levels included; ``"official"``: the C code's rule (``dci.c``,
             ``dci_query_single_point`` with ``add_to_list``): the kept prefix of each upper level and the

@@ -187,8 +187,8 @@ def prefetch(typingctx, arr, idx):
     """Hint that ``arr[idx]`` (``idx`` a tuple of indices) will be read soon: its cache line is requested
     now (``llvm.prefetch``, read, high locality), so that reads known in advance overlap instead of each
     waiting for memory in turn."""
-    # the search is bound by such waits: at 32k tokens a query chases ~65 nodes and ~70 pages through
-    # ~3 MB of index per layer, cold at every decode step
+    # the search is bound by such waits: a query chases nodes and pages through an index that is cold in the
+    # CPU's caches at every decode step
     def codegen(context, builder, sig, args):
         aryty, idxty = sig.args
         ary = context.make_array(aryty)(context, builder, args[0])

@@ -10,9 +10,9 @@ parallel regions ("Terminating: Nested parallel kernel launch detected"); ``omp`
 ``NUMBA_THREADING_LAYER`` is respected (serialised too when it names ``workqueue``).
 
 BLAS. The insert's parent search is one small ``np.matmul`` per step (``[H, 16, d] x [H, d, n1]``); with
-OpenBLAS at its default thread count, competing with torch's OpenMP pool, it took 52 ms instead of
-0.33 ms at 128k tokens. :func:`one_blas_thread` limits numpy's BLAS to one thread around it
-(threadpoolctl; the limit costs ~40 us, the controller is built once).
+OpenBLAS at its default thread count its threads compete with torch's OpenMP pool and the product takes
+far longer than on one thread. :func:`one_blas_thread` limits numpy's BLAS to one thread around it
+(threadpoolctl; the controller is built once).
 """
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ def jobs_inline(device: torch.device) -> bool:
     thread. ``ICECACHE_BACKGROUND``: ``auto`` (default) inlines them when the prefill leaves no core idle
     (:func:`spare_cpu_share` 0: a CPU whose cores all run torch's threads), ``thread``, ``inline``. There the
     jobs and the prefill compete for the same cores, and the worker's OpenMP teams beside the prefill's
-    oversubscribe them: on SmolLM2 at 8k tokens (2 cores, "AMD EPYC" family 25) IceCache's TT2T was 1.05-1.27x
-    full's with the worker thread, 1.02-1.03x inline. With idle cores (a GPU model) the jobs overlap the prefill,
-    as in the official pipelines. Where the jobs run changes no output."""
+    oversubscribe them, which makes the TT2T longer than running the jobs inline (docs/benchmarks.md, "Threads and
+    OpenMP waiting"). With idle cores (a GPU model) the jobs overlap the prefill, as in the official pipelines.
+    Where the jobs run changes no output."""
     mode = os.environ.get(BACKGROUND_ENV, "auto")
     if mode not in ("auto", "thread", "inline"):
         raise ValueError(f"{BACKGROUND_ENV}={mode!r}: use auto (inline when the prefill uses every core), thread "

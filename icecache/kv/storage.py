@@ -162,7 +162,7 @@ def to_store(x: torch.Tensor) -> torch.Tensor:
     """``x`` in host memory for a baseline's (append-free) offload store: one copy, straight into pinned
     memory, when ``x`` is on CUDA; ``x`` itself (no copy) when it is already on the host, so the caller must
     not write into ``x``'s storage afterwards (drop the resident buffers it came from: ``st.buffers.clear()``).
-    On CPU this saves one copy of the offloaded K/V (MagicPIG, SmolLM2 at 8k: 176 MB)."""
+    On CPU this saves one copy of the offloaded K/V."""
     return host_empty(x.shape, x.dtype, pin=True).copy_(x.detach()) if x.is_cuda else x.detach()
 
 

@@ -20,7 +20,7 @@ from .constants import DATA_FILES
 
 class AdjNounWords:
     """``sorted(set(f"{adj}-{noun}"))`` over wonderwords' lists as RULER's NIAH builds it (6.2 M strings,
-    ~20 s to materialise), served by index for ``random.choice``. Adjectives whose ``adj + "-"`` prefixes
+    slow to materialise), served by index for ``random.choice``. Adjectives whose ``adj + "-"`` prefixes
     another adjective form one block that is materialised and merged; every other adjective's strings are
     a contiguous run ``adj-<sorted nouns>``, because two unrelated prefixes decide every comparison."""
 
