@@ -35,7 +35,8 @@ import torch
 
 from .output.results import canonical
 from .registry import METHODS, SUITES, method_class, suite_class
-from .threads import OMP_WAIT_CHOICES
+from .task import ConfigError
+from .threads import check_thread_settings
 
 TOP_LEVEL = ("budget", "debug")  # KVMethod fields set by the top-level config, not the cache group
 
@@ -124,10 +125,6 @@ def compose_config(overrides=(), resolve: bool = True):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
-    """A mistake in the run's configuration (bad option, value or combination)."""
-
-
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -157,16 +154,6 @@ def _flag(key: str, v):
     if not isinstance(v, bool):
         raise ConfigError(f"{key} must be true or false, got {v!r}")
     return v
-
-
-def check_thread_settings(cfg: dict) -> None:
-    """``threads``: auto or a whole number >= 1; ``omp_wait``: auto, spin or passive (evals/threads.py)."""
-    threads = cfg.get("threads", "auto")
-    if threads != "auto" and (not _is_int(threads) or threads < 1):
-        raise ConfigError(f"threads must be auto or a whole number >= 1, got {threads!r}")
-    if cfg.get("omp_wait", "auto") not in OMP_WAIT_CHOICES:
-        raise ConfigError(f"omp_wait must be {', '.join(OMP_WAIT_CHOICES[:-1])} or {OMP_WAIT_CHOICES[-1]}, "
-                          f"got {cfg.get('omp_wait')!r}")
 
 
 def resolve_device(v) -> str:

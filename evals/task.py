@@ -37,6 +37,12 @@ class DataError(ValueError):
     """A missing or malformed data file / row; the message names the file, the line and what was expected."""
 
 
+class ConfigError(ValueError):
+    """A mistake in the run's configuration (bad option, value or combination). Defined here, beside
+    :class:`DataError`, so that :mod:`evals.threads` can raise it without importing :mod:`evals.config`;
+    ``evals.config.ConfigError`` is the same class."""
+
+
 @dataclass
 class Sample:
     id: str  # stable across runs: a rerun skips ids already in predictions.jsonl

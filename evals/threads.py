@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .task import ConfigError
+
 OMP_WAIT_CHOICES = ("auto", "spin", "passive")
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threads wait, read when it loads
 LOADAVG = Path("/proc/loadavg")
@@ -239,13 +241,22 @@ def startup_choice(environ=os.environ) -> Choice | None:
         return None
 
 
+def check_thread_settings(cfg: dict) -> None:
+    """``threads``: auto or a whole number >= 1; ``omp_wait``: auto, spin or passive. Raises :class:`ConfigError`
+    (:func:`evals.config.check_config` runs this check too)."""
+    threads = cfg.get("threads", "auto")
+    if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConfigError(f"threads must be auto or a whole number >= 1, got {threads!r}")
+    if cfg.get("omp_wait", "auto") not in OMP_WAIT_CHOICES:
+        raise ConfigError(f"omp_wait must be {', '.join(OMP_WAIT_CHOICES[:-1])} or {OMP_WAIT_CHOICES[-1]}, "
+                          f"got {cfg.get('omp_wait')!r}")
+
+
 def for_job(cfg: dict, environ=os.environ) -> str | None:
     """Applies the job's threads (its ``threads`` setting, which may differ per job of a sweep, else the
     start-up choice) to torch and numba, checks its ``omp_wait`` against the one the process started with, and
     keeps the choice for :func:`record`. Returns the line to print when the load changed the behaviour."""
     global _job
-    from .config import ConfigError, check_thread_settings
-
     check_thread_settings(cfg)
     threads, omp_wait = cfg.get("threads", "auto"), cfg.get("omp_wait", "auto")
     base = startup_choice(environ) or _late_choice(threads, environ)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from evals import threads
-from evals.config import ConfigError, check_config, check_thread_settings
-from evals.threads import Choice, Load, decide
+from evals.config import ConfigError, check_config
+from evals.threads import Choice, Load, check_thread_settings, decide
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

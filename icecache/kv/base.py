@@ -293,10 +293,9 @@ class KVMethod:
     def rehearse(self, spec: ModelSpec, n_prompt: int, n_steps: int, **changes) -> None:
         """Runs a copy of this method (``dataclasses.replace(self, **changes)``: same hyperparameters, states of its
         own) through a prefill of ``n_prompt`` random tokens and ``n_steps`` decode steps of a model of ``spec``'s
-        shapes, dtype and device, by the calls a request makes (:meth:`KVCache.run_attention`), then discards it.
+        shapes, dtype and device, by the calls :meth:`KVCache.run_attention` makes for a request (:meth:`bind`,
+        :meth:`new_sequence`, :meth:`fill` per layer, then :meth:`step` per layer and token), then discards it.
         The global random generators are left as they were."""
-        from .cache import KVCache
-
         method = dataclasses.replace(self, **changes)
         devices = [spec.device] if spec.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -304,21 +303,21 @@ class KVMethod:
 
             def draw(heads: int, n: int) -> torch.Tensor:
                 return torch.randn(heads, n, spec.head_dim, generator=gen).to(spec.device, spec.dtype)
-            cache = KVCache(method, spec)
+            method.bind(spec)
+            sequence, timer = method.new_sequence(), PhaseTimer(device=spec.device)
             try:
-                cache.begin_prefill()
-                for layer in range(spec.n_layers):
-                    cache.run_attention(layer, draw(spec.n_q_heads, n_prompt), draw(spec.n_kv_heads, n_prompt),
-                                        draw(spec.n_kv_heads, n_prompt))
+                for st in sequence.layers:
+                    q = draw(spec.n_q_heads, n_prompt)
+                    method.fill(st, draw(spec.n_kv_heads, n_prompt), draw(spec.n_kv_heads, n_prompt), q)
                 for _ in range(n_steps):
-                    cache.begin_step()
-                    for layer in range(spec.n_layers):
-                        cache.run_attention(layer, draw(spec.n_q_heads, 1), draw(spec.n_kv_heads, 1),
-                                            draw(spec.n_kv_heads, 1))
-                    cache.end_step()
-                cache.wait_background()
+                    for st in sequence.layers:
+                        q, k, v = draw(spec.n_q_heads, 1), draw(spec.n_kv_heads, 1), draw(spec.n_kv_heads, 1)
+                        method.step(st, q, k, v, timer)
+                    timer.reset()
+                for st in sequence.layers:
+                    method.await_background(st)
             finally:
-                cache.close()
+                sequence.close()
 
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: LayerState) -> int:
