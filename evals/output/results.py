@@ -36,9 +36,10 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-# Settings that do not change what a run computes, hence not part of its identity.
+# Settings that do not change what a run computes, hence not part of its identity. ``official_source``: where a
+# suite's official setting of the method came from (conf/suite_cache/); the values themselves are in ``cache``.
 NON_SEMANTIC = ("results_dir", "data_dir", "wandb", "hydra", "debug", "progress", "profile", "threads",
-                "omp_wait")
+                "omp_wait", "official_source")
 # Settings that are part of a run's identity only when set (None: the default, left out of the identity).
 SET_ONLY = ("limit",)
 QUARANTINE = "predictions.quarantine.jsonl"

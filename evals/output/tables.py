@@ -38,13 +38,17 @@ def _setting(value) -> str:
 
 def method_label(row: pd.Series) -> str:
     """The method's name and every ``cache.*`` setting of its run that differs from the method's default
-    (e.g. ``topk[n_dense_layers=2]``), read from the run's ``config.yaml``."""
+    (e.g. ``topk[n_dense_layers=2]``), read from the run's ``config.yaml``. A suite's official setting of the
+    method (``official_source``, conf/suite_cache/) counts as its default there: PQCache's 32 sinks on LongBench
+    read as ``pqcache``, a value the user set in its place does not."""
     cfg = read_config(Path(row["run_dir"])) or {}
     options = {k: v for k, v in (cfg.get("cache") or {}).items() if k != "name"}
     defaults = method_defaults(str(row["cache"]))
     extra = [f"{k}={_setting(v)}" for k, v in sorted(options.items()) if k in defaults and defaults[k] != v]
     return f"{row['cache']}[{', '.join(extra)}]" if extra else str(row["cache"])
 
+    defaults.update({k: entry["value"] for k, entry in (cfg.get("official_source") or {}).items()
+                     if isinstance(entry, dict) and "value" in entry})
 
 def method_defaults(name: str) -> dict:
     """The default of each init field of a registered method's class ({} for a name the registry lacks)."""
