@@ -39,8 +39,16 @@ Storage: the resident pages live in slots of buffers preallocated at ``page_budg
 tokens and recalled pages are written in place (no concatenation of the cache). The slots are kept in page
 order until the budget is reached, and the last slot always holds the newest page, so the resident rows are
 always a prefix of the buffers. ``n_dense_layers`` leading layers are exempt (``InferState``
-``n_unlimited_layers``: 0 by default, 2 in the official LongBench script ``benchmark/longbench_pred.py``,
-which also passes ``page_topks=32``, ``n_sink_pages=1``).
+``n_unlimited_layers``: 0 by default, 2 in the official LongBench and passkey scripts).
+
+Per suite (conf/suite_cache/): ``benchmark/longbench_pred.py`` passes ``--n-unlimited-layers 2`` (line 35),
+``--page-topks 32`` (line 38) and ``--n-sink-pages 1`` (line 40); ``benchmark/passkey_pred.py`` passes
+``--page-topks 32`` (line 139) and ``--n-unlimited-layers 2`` (line 140) and leaves the sink and window pages at
+the ``InferState`` defaults. Both size ``--page-budgets 128`` pages of 32 (4096 tokens), where 32 of 128 pages are
+selected; at this harness's 64-256 tokens a budget has 8 pages (256 at 32-token pages, 128 at 16, 64 at 8), which
+the official ``InferState`` refuses for ``page_topks=32`` (it asserts ``page_topks < page_budgets``). The paper sets
+``k = min(C, c / 2) / p`` pages for a cache of ``c`` tokens (Section 5.1), so the script's 32 is read as that cap
+``C``: ``page_budgets // 2`` = 4 pages at these budgets, the same as the class default (:meth:`topk_of`).
 
 The smallest budget at 32-token pages is 256 (8 pages: ``8 // 2 - 2 - 1 = 1`` scored page); smaller budgets
 need smaller pages (``cache.page_size=16`` for 128, ``8`` for 64). A fractional budget (GSM8K's
@@ -128,7 +136,9 @@ class ArkVale(KVMethod):
         n_sink_pages: first pages always resident (official ``InferState`` default 2).
         n_win_pages: newest pages always resident, the partial one included (official 2; at least 2).
         page_topks: pages selected per step, sinks and window included (0: ``page_budgets // 2``, the
-            official default; the LongBench script passes 32).
+            official default; the LongBench and passkey scripts pass 32, conf/suite_cache/). A value the
+            official code would reject (not below ``page_budgets``) is read as the paper's cap ``C``:
+            ``min(C, c/2) / p`` pages, i.e. ``page_budgets // 2`` (:meth:`topk_of`).
         digest: ``cuboid_mean`` (official radius, mean absolute deviation), ``cuboid_center`` or ``cuboid_max``
             (the bounding box; paper Section 5.2).
         n_dense_layers: first layers without a budget (official ``n_unlimited_layers``, default 0).
@@ -149,9 +159,12 @@ class ArkVale(KVMethod):
         return self.budget // self.page_size
 
     def topk_of(self, pages: int) -> int:
-        """Pages chosen by score per step for ``pages`` resident ones (official ``layer2topk``)."""
-        top = self.page_topks or pages // 2
-        return top - self.n_sink_pages - (self.n_win_pages - 1) if top < pages else 0
+        """Pages chosen by score per step for ``pages`` resident ones (official ``layer2topk``, sinks and the window
+        less its newest page taken off): ``page_topks`` where the official code accepts it (``InferState`` asserts
+        ``page_topks < page_budgets``), else ``pages // 2``, the paper's ``k = min(C, c/2) / p`` (Section 5.1) with
+        the script's ``page_topks`` as ``C``; ``page_topks=0`` is the ``InferState`` default ``pages // 2``."""
+        top = self.page_topks if 0 < self.page_topks < pages else pages // 2
+        return top - self.n_sink_pages - (self.n_win_pages - 1)
 
     def validate(self) -> None:
         self.check_whole("page_size", "n_win_pages", minimum=1)
@@ -167,8 +180,8 @@ class ArkVale(KVMethod):
             raise BudgetError(
                 f"arkvale: budget {self.budget} is not a valid page budget (a multiple of page_size="
                 f"{self.page_size} leaving at least one scored page after {self.n_sink_pages} sink and "
-                f"{self.n_win_pages} window pages, page_topks={self.page_topks or 'pages // 2'}); nearest valid "
-                f"budgets: {' or '.join(map(str, lower + upper))}")
+                f"{self.n_win_pages} window pages, with page_topks={self.page_topks}: pages // 2 when 0 or not below "
+                f"the pages); nearest valid budgets: {' or '.join(map(str, lower + upper))}")
 
     def is_budgeted(self, layer_idx: int) -> bool:
         return layer_idx >= self.n_dense_layers

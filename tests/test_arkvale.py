@@ -159,6 +159,20 @@ def test_budget_mapping_and_nearest_valid_budget():
         ArkVale(budget=96, page_topks=4)  # page_topks must stay below the pages: 5 pages of 32 at least
 
 
+@pytest.mark.parametrize("budget,page_size", [(64, 8), (128, 16), (256, 32)])
+def test_the_scripts_page_topks_is_the_papers_cap_at_small_budgets(budget, page_size):
+    """The LongBench and passkey scripts pass page_topks=32 for 128-page budgets (benchmark/longbench_pred.py
+    line 38, passkey_pred.py line 139); below 33 pages the official InferState would refuse it (it asserts
+    page_topks < page_budgets), and it is read as the paper's cap C of k = min(C, c/2) / p (Section 5.1):
+    page_budgets // 2 = 4 of 8 pages, as the default. Where the official code accepts it, it is used as is."""
+    longbench = ArkVale(budget=budget, page_size=page_size, page_topks=32, n_sink_pages=1, n_dense_layers=2)
+    assert longbench.page_budget == 8 and longbench.topk_of(8) == 4 - 1 - 1
+    passkey = ArkVale(budget=budget, page_size=page_size, page_topks=32, n_dense_layers=2)
+    assert passkey.topk_of(8) == ArkVale(budget=budget, page_size=page_size).topk_of(8) == 4 - 2 - 1
+    assert ArkVale(budget=40 * 32, page_topks=32).topk_of(40) == 32 - 2 - 1  # 40 pages: the official value
+    assert ArkVale(budget=128 * 32, page_topks=32).topk_of(128) == 32 - 2 - 1  # the scripts' own 128 pages
+
+
 def test_a_fractional_budget_it_cannot_take_is_a_config_error_that_says_so(tmp_path):
     from evals import harness
 
