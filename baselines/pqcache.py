@@ -9,30 +9,37 @@ Budget mapping: docs/architecture.md.
   random distinct keys, as the official sklearn worker ``compute_kmeans_worker`` of
   ``vq_method/retrieval_based/multi_core_compressor_v2.py`` does). The clustering runs on the method's
   background worker and is awaited at the layer's first decode step (so it shows in TT2T).
-* Iterations (``kmeans_iters``): by default at most 300, with sklearn's earlier stop at convergence
-  (``tol=1e-4``: summed squared centroid shift <= 1e-4 x the mean per-dimension variance, or unchanged
-  assignments): the cap and tolerance of the official sklearn call. Convergence, not the cap, ends the runs
-  (SmolLM2 keys: 20 iterations on average at 2k tokens, 32 at 4k, 48 at 8k, at most 93), so the bound is a
-  fixed number and the codebooks, codes and selections depend only on the seed, not on the machine's load or its
-  thread count (the assignment matmul, the centroid sums and the variance give the same bits with 1 to 4
-  threads; docs/fidelity.md). Why this bound: it is the codebook the official code computes whenever its time
-  budget suffices (a GPU prefill beside idle cores); a fixed 3 or 10 iterations, deterministic too, would cost
-  up to ~0.01 of recall (below). Its cost is paid on the background worker (SmolLM2 keys, one
-  CPU core: 0.45 s per layer at 4k tokens, 0.9 s at 8k, against 0.15 s for 10 iterations; docs/fidelity.md).
-  ``kmeans_iters=0`` (:attr:`PQCache.ADAPTIVE`) is the official ``max_iter=0`` (``MultiCoreCompressor_v2.compress``):
-  the official GPU pipeline overlaps the clustering with the GPU prefill on otherwise idle CPU cores and
-  gives it the iterations that fit in the layer's prefill time (from offline profiles), clamped to
-  ``[3, 300]``, still stopping at convergence. Here that budget is the previous layer's measured prefill time
-  (layer 0: the minimum 3 iterations) times the share of CPU cores the prefill leaves idle
-  (:func:`spare_cpu_share`: all of them when the model runs on a GPU, none on a CPU whose cores all run
-  torch's threads, which gives the minimum 3), the time per iteration measured as it runs: its iterations,
-  codes and selections change with the machine's load and speed (only ``method_stats.kmeans_iterations``
-  records them). Any other ``kmeans_iters > 0`` is a fixed cap (``10`` with ``kmeans_tol=0``: exactly 10).
-  Measured on SmolLM2-135M keys (10 layers, 2 sub-vectors x 64 centroids, recall of the top-126 of the
-  group-summed softmax against exact, 16 queries; 1 thread): at 2k tokens relative quantisation error 0.2225
-  at convergence vs 0.2236 for a fixed 10 and recall 0.554 vs 0.551; at 6k 0.2697 vs 0.2719 and 0.495 vs
-  0.488. Fewer keys than centroids: one centroid per key (the official code skips PQ and attends everything
-  in that case; we keep the method and its budget).
+* Iterations (``kmeans_iters``), this class's one deliberate deviation from the official default: at most 300,
+  with sklearn's earlier stop at convergence (``tol=1e-4``: summed squared centroid shift <= 1e-4 x the mean
+  per-dimension variance, or unchanged assignments), i.e. the official sklearn call (``compute_kmeans_worker``,
+  ``tol = 0.0001``, ``max_iter``) given ``--max_iter 300`` (``vq_pred.py`` line 51). The official default
+  ``max_iter=0`` (``run_llama.sh`` line 20, "0 for dynamic setting") sizes the iterations to a predicted GPU
+  prefill time instead (``MultiCoreCompressor_v2.compress``, lines 409-415: ``int((gpu_time - kmeans_3_iters) /
+  kmeans_per_iter + 3)`` clamped to ``[3, 300]``, with the prefill time fitted on an RTX 4090 for Llama and
+  Mistral, lines 220-224, and the k-means times profiled once on the machine, lines 345-385). That rule depends
+  on the machine and its load. Measured with this module's k-means (one 64-dim group of n Gaussian keys, 64
+  centroids, one core of a busy 2-core CPU) and the official 4090 prefill fit: the layer prefill it predicts takes
+  11.6 ms at 4k tokens, 24.4 ms at 8k, 134.7 ms at 32k, three iterations already 15 ms, 30 ms, 121 ms, so the rule
+  gives its floor of 3 iterations at every length from 2k to 32k, where the same problems converge in 20-106
+  iterations; a k-means three times faster (the official 3 cores per group, scaling perfectly) would get 12-18.
+  On a CPU whose cores all run torch it is 3 as well. On
+  SmolLM2's 4k-token keys (10 layers, recall of the PQ top-126 against the exact top-126, 16 queries) 3
+  iterations recall 0.416, 10 iterations 0.431, convergence (45 iterations on average, at most 67) 0.437.
+  Convergence is kept because it reads no clock: the codebooks, codes and selections depend only on the seed,
+  not on the machine's load or its thread count (the assignment matmul, the centroid sums and the variance give
+  the same bits with 1 to 4 threads; tests/test_determinism.py), and a stored prefill replays (LongBench tables
+  replay every prompt); its codebook is the one the official rule tends to as its time budget grows, and it
+  quantises at least as well as any fewer iterations from the same start. Its cost is paid on the background
+  worker (SmolLM2 keys, one CPU core: 0.45 s per layer at 4k tokens, 0.9 s at 8k, against 0.15 s for 10
+  iterations; docs/fidelity.md). ``kmeans_iters=0`` (:attr:`PQCache.ADAPTIVE`) is the official rule, read live:
+  the iterations that fit in the previous layer's measured prefill time (layer 0: the minimum 3) times the share
+  of CPU cores the prefill leaves idle (:func:`spare_cpu_share`: all of them when the model runs on a GPU, none on
+  a CPU whose cores all run torch's threads, which gives the minimum 3), the time per iteration measured as it
+  runs, clamped to ``[3, 300]``: its iterations, codes and selections change with the machine's load and speed
+  (only ``method_stats.kmeans_iterations`` records them) and it cannot replay a stored prefill. Any other
+  ``kmeans_iters > 0`` is a fixed cap (``10`` with ``kmeans_tol=0``: exactly 10). Fewer keys than centroids: one
+  centroid per key (the official code skips PQ and attends everything in that case; we keep the method and its
+  budget).
 * Decode: for each query head, lookup tables ``T[s] = q^(s) . C^(s)`` give approximate logits
   ``sum_s T[s][code_j^(s)]``; softmax per query head (scaled like the model's attention), summed over
   the GQA group, top-k per KV head over the candidates (tokens between the sinks and the recent
@@ -47,8 +54,12 @@ Budget mapping: docs/architecture.md.
   PQCache's TPOT grow with the context on CPU (docs/benchmarks.md, "Decode benchmark").
 * A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
 
-Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k`` (official ratios: recent_ratio 0.5 of
-what remains after the sinks; this harness uses 4 sinks and (B-4)/2 + (B-4)/2, docs/architecture.md).
+Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k``: the official split (``pq_search.py`` lines
+235-237: ``recent_ratio`` 0.5 of what the compression keeps after the sinks, the rest top-k), with the budget in
+place of the compression ratio: ``(B - n_sink) / 2`` each (docs/architecture.md). Sinks (``n_sink``): the official
+entry point's default is 2 (``vq_pred.py`` line 37, ``--sink-size``); its LongBench scripts pass 32
+(``run_llama.sh`` and ``run_mistral.sh`` line 13) and the GSM8K script's own default is 32
+(``GSM8k/evaluation_gsm8k.py`` line 203): ``conf/suite_cache/longbench_pqcache.yaml`` and ``gsm8k_pqcache.yaml``.
 """
 from __future__ import annotations
 
@@ -245,13 +256,14 @@ class PQCache(KVMethod):
 
     Args:
         budget: past tokens attended per head per step = n_sink + recent + top-k.
-        n_sink: initial tokens always attended (official CLI default 2, script 32; here 4, as StreamingLLM).
+        n_sink: initial tokens always attended (official ``vq_pred.py --sink-size`` default 2; the LongBench and
+            GSM8K scripts' 32 is their suite setting, conf/suite_cache/).
         n_subvec: sub-vectors per key, ``m`` (official ``SUBVEC`` = 2; one of 1, 2, 4, 8, 16).
         n_bits: bits per sub-vector code, ``2**n_bits`` centroids (official ``SUBBITS`` = 6 -> 64).
-        kmeans_iters: most Lloyd iterations (default 300, the official cap, with ``kmeans_tol``: run to
-            convergence, deterministic given ``seed``); 0 (:attr:`ADAPTIVE`, the official ``max_iter=0`` of its
-            GPU pipeline): the iterations that fit in the layer's prefill time on the cores it leaves idle,
-            clamped to [3, 300], which depend on the machine's load (module docstring).
+        kmeans_iters: most Lloyd iterations (default 300 with ``kmeans_tol``: run to convergence, deterministic
+            given ``seed``; the one deliberate deviation, module docstring); 0 (:attr:`ADAPTIVE`, the official
+            ``max_iter=0``): the iterations that fit in the layer's prefill time on the cores it leaves idle,
+            clamped to [3, 300], which depend on the machine's load.
         kmeans_tol: sklearn's convergence tolerance, relative to the keys' variance (official 1e-4).
         recent_ratio: share of ``budget - n_sink`` given to the recent window (official 0.5).
         seed: seed of the k-means initialisation (one torch.Generator per layer).
@@ -259,7 +271,7 @@ class PQCache(KVMethod):
             (module docstring; the same selection); ``False`` scores every token, as the official code does.
     """
 
-    n_sink: int = 4
+    n_sink: int = 2
     n_subvec: int = 2
     n_bits: int = 6
     kmeans_iters: int = 300

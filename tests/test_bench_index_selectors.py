@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from baselines.pqcache import PQCache
 from evals.bench import index as bench
 from icecache.dci import DCIConfig
 
@@ -35,9 +36,10 @@ def recall_of(mask, keys, q):
 def test_budget_respected(data, budget):
     spec = bench.model_spec(data)
     keys, queries = data["keys"][0], data["queries"][0]
+    sinks = PQCache.n_sink  # the class default (2)
     for mask in bench.pqcache_masks(keys, queries, 0, budget, spec):
-        assert (mask.sum(-1) == budget).all()  # 4 sinks + (B-4)//2 recent + top-k, per KV head
-        assert mask[:, :4].all() and mask[:, N - (budget - 4) // 2:].all()
+        assert (mask.sum(-1) == budget).all()  # sinks + (B - sinks)//2 recent + top-k, per KV head
+        assert mask[:, :sinks].all() and mask[:, N - (budget - sinks) // 2:].all()
     omni = bench.omnikv_selections(data, budget, spec)
     assert omni[1] == ("dense", None) and [role for role, _ in omni.values()] == ["dense", "filter", "wait", "sparse"]
     for layer in (2, 3, 4):
@@ -79,8 +81,9 @@ def test_pqcache_with_exact_codes_matches_direct_topk(data):
     budget = 128
     keys, queries = data["keys"][0], data["queries"][0]
     masks = bench.pqcache_masks(keys, queries, 0, budget, bench.model_spec(data), n_bits=10)
-    recent = (budget - 4) // 2
-    lo, hi, k = 4, N - recent, budget - 4 - recent
+    sinks = PQCache.n_sink
+    recent = (budget - sinks) // 2
+    lo, hi, k = sinks, N - recent, budget - sinks - recent
     for step, q in enumerate(queries):
         group_mass = attention(keys[:, lo:hi], q).view(keys.shape[0], -1, hi - lo).sum(1)
         direct = group_mass.topk(k).indices + lo

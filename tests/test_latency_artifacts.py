@@ -72,7 +72,7 @@ def test_pqcache_appends_one_row_per_step_into_its_store():
     token's K/V, as a concatenation would."""
     model = build_tiny("tiny-llama", 2, 4)
     ids = torch.randint(0, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(0))
-    out, cache = generate_with(model, ids, 30, "pqcache", budget=24)
+    out, cache = generate_with(model, ids, 30, "pqcache", budget=24, n_sink=4)
     for st in cache.states:
         assert isinstance(st.store, HostKV) and st.store.n == st.n_seen == 80 + 29
         assert st.store.n <= st.store.k_data.shape[1] <= grown_capacity(st.store.n)  # sized to its content

@@ -53,7 +53,7 @@ def test_icecache_device_bytes_are_the_budget_plus_the_dense_layers(model, one_t
 
 
 def test_pqcache_device_bytes_are_the_budget_with_the_gathered_top_k_in_transit(model, one_thread):
-    cache = run(model, "pqcache", budget=64)  # every layer budgeted: 4 sinks + 30 recent resident + 30 gathered
+    cache = run(model, "pqcache", budget=64)  # every layer budgeted: 2 sinks + 31 recent resident + 31 gathered
     memory, method = cache.memory_bytes(), cache.method
     assert memory["device_kv_bytes"] == 64 * LAYERS * PER_TOKEN
     assert memory["transit_bytes"] == method.topk * LAYERS * PER_TOKEN

@@ -19,7 +19,7 @@ in one process on ``torch.set_num_threads(2)``; the brute force is the exact top
 softmax attention of a query head that falls on the tokens it may attend to: sink pages, window
 pages and the pages (or tokens) a selector retrieves for its KV head.
 
-Two token-level baselines are measured with their own code (``baselines/``): ``pqcache`` (4 sinks +
+Two token-level baselines are measured with their own code (``baselines/``): ``pqcache`` (sinks +
 recent window + PQ top-k per KV head) and ``omnikv`` (one head-shared
 top-``B`` set chosen at each filter layer from that layer's attention and reused by the layers after it;
 ``omnikv_sparse`` is the same over the layers OmniKV actually budgets). H2O and SnapKV are
@@ -287,8 +287,8 @@ def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget:
 
     Runs :class:`baselines.pqcache.PQCache` itself: its prefill end (k-means codebooks of every KV
     head on the non-sink prompt keys, seeded per layer) and its decode selection (softmax of the PQ
-    logits per query head, summed over the GQA group, top-k per KV head). Attended: ``n_sink = 4``
-    sinks + ``recent = (B - 4) // 2`` newest prompt tokens + top-k ``B - 4 - recent`` of the tokens
+    logits per query head, summed over the GQA group, top-k per KV head). Attended: ``n_sink`` (2)
+    sinks + ``recent = (B - n_sink) // 2`` newest prompt tokens + top-k ``B - n_sink - recent`` of the tokens
     between them (the captured prompt stands for the context; generated tokens are not captured).
     ``options``: other :class:`PQCache` hyperparameters (defaults: the baseline's).
     """
