@@ -26,6 +26,7 @@ METHODS: dict[str, str] = {
     "quest": "baselines.quest:Quest",
     "arkvale": "baselines.arkvale:ArkVale",
     "topk": "baselines.topk_oracle:TopKOracle",
+    "page_oracle": "baselines.page_oracle:PageOracle",
     "pqcache": "baselines.pqcache:PQCache",
     "omnikv": "baselines.omnikv:OmniKV",
     "magicpig": "baselines.magicpig:MagicPIG",

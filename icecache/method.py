@@ -351,15 +351,19 @@ class IceCache(KVMethod):
         width = self.candidate_width(k)
         if self.gqa_merge in SCORED_MODES:
             n_cand = max(k, self.gqa_candidates or self.spec.group * k, width)
-            pages, scores = st.index.search_scored(queries, k, n_cand, n_seq=st.n_seen)
+            pages, scores = self.search_pages(st, queries, k, n_cand)
             st.candidates = merge_gqa(pages, self.spec.group, width, self.gqa_merge, scores, self.spec.scaling)
         else:
-            pages = st.index.search_scored(queries, k, width, n_seq=st.n_seen)[0]  # = search() when width == K
+            pages = self.search_pages(st, queries, k, width)[0]  # = the index's search() when width == K
             st.candidates = merge_gqa(pages, self.spec.group, width, mode=self.gqa_merge)
         # both merges are prefix-stable: the first K of a list capped at ``width`` are the list capped at K
         st.selection = st.candidates if self.gqa_merge == "union" else st.candidates[:, :k]
         st.selected_at = st.n_seen
         return st.selection
+
+    def search_pages(self, st: IceState, queries: torch.Tensor, k: int, width: int):
+        """Per query head its ``width`` best pages, best key's ``q.k``: the search (``page_oracle``: exact)."""
+        return st.index.search_scored(queries, k, width, n_seq=st.n_seen)
 
     def fetch(self, st: IceState, selection: torch.Tensor | None) -> Fetched:
         """Keeps the resident selected pages, loads the missing ones into freed slots (one packed

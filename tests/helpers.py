@@ -61,6 +61,9 @@ METHOD_ROWS = [
     MethodCase("arkvale", covering=dict(budget=64, page_size=4), small=dict(budget=32, page_size=4),
                invalid=dict(digest="sphere")),
     MethodCase("topk", covering=dict(budget=54), small=dict(budget=16), invalid=dict(heads="all")),
+    # IceCache's layout and index with exact page ranking: covered once the prompt is indexed (always_index)
+    MethodCase("page_oracle", covering=dict(budget=256, always_index=True), small=dict(budget=64),
+               invalid=dict(gqa_merge="all"), prompt_len=200),
     MethodCase("pqcache", covering=dict(budget=60), small=dict(budget=24), invalid=dict(n_bits=0)),
     MethodCase("omnikv", covering=dict(budget=48, filter_layers=[1], wait_layers=0),
                small=dict(budget=16, filter_layers=[1], wait_layers=0), invalid=dict(selector="first")),

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
 LIVE = {"h2o", "snapkv", "snapkv_pinned", "kvpress"}  # statistics of every prompt query, or model hooks
-REPLAYED = {"full", "streaming_llm", "quest", "topk", "pqcache", "omnikv", "icecache", "icecache_reuse",
-            "magicpig", "arkvale"}  # exact attention + store, or a prefill reading only the last query
+REPLAYED = {"full", "streaming_llm", "quest", "topk", "page_oracle", "pqcache", "omnikv", "icecache",
+            "icecache_reuse", "magicpig", "arkvale"}  # exact attention + store, or a prefill reading only the last query
 
 
 def tiny_cfg(tmp_path, cache="streaming_llm", **over) -> dict:
