@@ -246,7 +246,8 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
                       budget_covers_context=method.budget is not None
                       and method.budget >= gen.n_prompt_tokens + len(gen.token_ids))
         row = {"id": sample.id, "task": sample.task, "prediction": gen.text, "reference": sample.reference,
-               "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing}
+               "scores": suite.score(sample, gen.text, judge), "meta": sample.meta, "timing": timing,
+               "output_ids": list(gen.token_ids)}  # the generated ids (final EOS dropped): evals/output/agreement.py
         record = results.method_record(method, p.method_name)
         if record != p.resolved_method:  # a fractional budget: this prompt's own budget and presets
             row["method"] = record

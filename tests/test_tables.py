@@ -56,7 +56,7 @@ def test_table_has_each_method_budget_score_misses_and_search_fraction(folder):
     assert "- icecache at 64 (icecache-b64-" in text and f"{IDS[1]}, {IDS[4]}" in text
     assert "- streaming_llm at 64 (" in text and "all 5" in text
     assert not any(line.startswith("- icecache at 128") for line in lines)  # no miss, no line
-    search = [line for line in lines if line.startswith("| icecache | 64 |")]
+    search = [line for line in lines[lines.index("IceCache search:"):] if line.startswith("| icecache | 64 |")]
     assert search == ["| icecache | 64 | 0.350 | 15 |"]  # the mean over the layers reporting a value
     assert "| icecache | 128 | 0.100 | - |" in lines
     assert any(line.startswith("| topk[n_dense_layers=2] | 100 [") for line in lines)  # non-default options only
@@ -71,6 +71,21 @@ def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tm
         assert rows and all("timing" not in r and "scores" in r for r in rows)
         assert (run_dir / "timing.json").exists() and (run_dir / "config.yaml").exists()
     assert tables.render(copy, draws=200) == tables.render(folder, draws=200)
+
+
+def test_archive_partial_keeps_runs_in_progress_whole(folder, tmp_path):
+    """A run without ``metrics.json`` (stopped mid-way) is left out by default; ``partial`` copies it with every
+    row field, timing included, and no metrics, so a copy back resumes it."""
+    stopped = sorted(folder.rglob("metrics.json"))[0].parent
+    (stopped / "metrics.json").unlink()
+    rows = (stopped / "predictions.jsonl").read_text().splitlines()
+    assert len(archive.archive(folder, tmp_path / "complete")) == 4
+    written = archive.archive(folder, tmp_path / "all", partial=True)
+    copy = tmp_path / "all" / stopped.relative_to(folder)
+    assert len(written) == 5 and copy in written and not (copy / "metrics.json").exists()
+    assert [json.loads(line) for line in (copy / "predictions.jsonl").read_text().splitlines()] == \
+        [json.loads(line) for line in rows]
+    assert (copy / "config_hash").read_text() == (stopped / "config_hash").read_text()
 
 
 def test_missing_folder_is_one_clear_error(tmp_path, capsys):

@@ -4,8 +4,9 @@
 Writes ``summary.csv`` (and ``summary.parquet`` when pyarrow is installed) with one row per run:
 eval, model, cache, budget, ``variant``, ``commit`` (the code that wrote the run's rows), headline score,
 per-task scores (``task/<name>``), TTFT/TT2T/TPOT, the TPOT breakdown (``breakdown/<phase>``), peak memory,
-the run directory and, for runs with
-``diagnostics=recall``, the pooled attention-mass recall (``recall_mean``, ``error_mean``, ``needle_share_mean``,
+the run directory, the agreement with the full cache's output (:mod:`evals.output.agreement`: ``answer_match``,
+``tokens_to_divergence``, ``rouge_l``, their intervals, ``n_agreement``) and, for runs with ``diagnostics=recall``,
+the pooled attention-mass recall (``recall_mean``, ``error_mean``, ``needle_share_mean``,
 ``needle_top_mean``). Runs are keyed by their
 whole config: every setting that differs between runs of one (eval, model) -- or, for ``cache.*``
 options, of one (eval, model, cache) -- becomes a column of its own (``eval.question_via_decode``) and
@@ -319,15 +320,29 @@ def _pairing_key(row: dict, flat: dict) -> tuple:
     return row["eval"], row["model"], json.dumps(kept, sort_keys=True, default=str)
 
 
-def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED) -> None:
+def full_reference(i: int, rows: list[dict], flat: list[dict], loaded: dict[int, list[dict]]) -> int | None:
+    """The full cache run paired with run ``i`` among the runs ``loaded`` (index -> rows), as the module docstring
+    says (itself for a full cache run), or None."""
+    if rows[i]["cache"] == "full":
+        return i
+    key, ids = _pairing_key(rows[i], flat[i]), {r["id"] for r in loaded[i]}
+    candidates = [j for j in loaded if rows[j]["cache"] == "full" and _pairing_key(rows[j], flat[j]) == key]
+    same = lambda j: (sum(r["id"] in ids for r in loaded[j]), rows[j]["budget"] == rows[i]["budget"], -j)  # noqa: E731
+    return max(candidates, key=same) if candidates else None
+
+
+def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED,
+                  cache: dict | None = None) -> None:
     """Fills :data:`INTERVAL_COLUMNS` of every finished run whose eval has a quality score (the module
-    docstring says what each is), reading each run's ``predictions.jsonl``; the others keep them empty."""
+    docstring says what each is), reading each run's ``predictions.jsonl`` (into ``cache``, a dict by run directory
+    shared with :func:`evals.output.agreement.add_agreement`); the others keep them empty."""
     loaded: dict[int, list[dict]] = {}
+    cache = {} if cache is None else cache
     for i, row in enumerate(rows):
         aggregate = AGGREGATES.get(row["eval"], TASK_MEAN)
         if row.get("status", "incomplete") == "incomplete" or aggregate is None or row.get("score") is None:
             continue
-        preds = load_predictions(Path(row["run_dir"]) / "predictions.jsonl")
+        preds = cache[row["run_dir"]] = load_predictions(Path(row["run_dir"]) / "predictions.jsonl")
         try:
             interval = score_interval(preds, aggregate, draws, seed)
         except (KeyError, TypeError, ValueError) as err:
@@ -339,24 +354,17 @@ def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: 
             continue
         loaded[i] = preds
         row.update({k: v for k, v in interval.items() if k != "score"})
-    full = [i for i in loaded if rows[i]["cache"] == "full"]
     for i, preds in loaded.items():
-        if rows[i]["cache"] == "full":
-            ref = i
-        else:
-            key = _pairing_key(rows[i], flat[i])
-            ids = {r["id"] for r in preds}
-            candidates = [j for j in full if _pairing_key(rows[j], flat[j]) == key]
-            if not candidates:
-                continue
-            ref = max(candidates, key=lambda j: (sum(r["id"] in ids for r in loaded[j]),
-                                                 rows[j]["budget"] == rows[i]["budget"], -j))
-        rows[i].update(paired_difference(preds, loaded[ref], AGGREGATES.get(rows[i]["eval"], TASK_MEAN), draws, seed))
+        if (ref := full_reference(i, rows, flat, loaded)) is not None:
+            rows[i].update(paired_difference(preds, loaded[ref], AGGREGATES.get(rows[i]["eval"], TASK_MEAN), draws,
+                                             seed))
+
 
 
 def collect(results_dir: str | Path, draws: int = DRAWS, seed: int = SEED) -> pd.DataFrame:
     """One row per run directory under ``results_dir`` (empty frame when there is none), with the bootstrap
-    intervals of :func:`add_intervals` (``draws`` resamples seeded ``seed``; ``draws=0``: none)."""
+    intervals of :func:`add_intervals` and the agreement with the full cache (``draws`` resamples seeded ``seed``;
+    ``draws=0``: neither, no ``predictions.jsonl`` is read)."""
     rows, flat, methods = [], [], []
     for stamp in sorted(Path(results_dir).rglob("config_hash")):
         cfg = read_config(stamp.parent)
@@ -370,17 +378,21 @@ def collect(results_dir: str | Path, draws: int = DRAWS, seed: int = SEED) -> pd
         row["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={_text(f.get(k))}" for k in sorted(keys)
                                    if k not in SET_ONLY or f.get(k) is not None)  # a whole run: no "limit=null"
     split_by_resolved(rows, methods)
+    from .agreement import AGREEMENT_COLUMNS, add_agreement  # (it builds on this module)
     if draws > 0:
-        add_intervals(rows, flat, draws, seed)
+        cache: dict = {}  # each predictions.jsonl read once
+        add_intervals(rows, flat, draws, seed, cache)
+        add_agreement(rows, flat, draws, seed, cache)
     if rows:
         frame = pd.DataFrame(rows)
-        for count in ("n", "n_paired", "limit", "n_total"):  # counts stay integers beside runs without one
+        for count in ("n", "n_paired", "n_agreement", "limit", "n_total"):  # counts stay integers beside runs without
             if count in frame:
                 frame[count] = frame[count].astype("Int64")
-        if "score" in frame:  # the intervals beside the score they qualify
-            rest = [c for c in frame if c not in INTERVAL_COLUMNS]
+        if "score" in frame:  # the intervals, then the agreement with full, beside the score they qualify
+            beside = [c for c in (*INTERVAL_COLUMNS, *AGREEMENT_COLUMNS) if c in frame]
+            rest = [c for c in frame if c not in beside]
             at = rest.index("score") + 1
-            frame = frame[rest[:at] + [c for c in INTERVAL_COLUMNS if c in frame] + rest[at:]]
+            frame = frame[rest[:at] + beside + rest[at:]]
         return frame
     return pd.DataFrame(columns=[*KEYS, "budget", "seed", "commit", "run_dir", "status", "variant"])
 
@@ -420,15 +432,16 @@ def main(argv=None) -> None:
     if not Path(args.results_dir).is_dir():
         print(f"error: {args.results_dir} is not a folder of run directories", file=sys.stderr)
         sys.exit(2)
+    from .agreement import AGREEMENT_MEANS
     frame = collect(args.results_dir, args.draws, args.seed)
     out = write_summary(args.results_dir, frame)
-    cols = [c for c in ("eval", "model", "cache", "budget", "variant", "score", *INTERVAL_COLUMNS, "tt2t_s",
-                        "tpot_s", "commit", "status")
+    cols = [c for c in ("eval", "model", "cache", "budget", "variant", "score", *INTERVAL_COLUMNS, *AGREEMENT_MEANS,
+                        "tt2t_s", "tpot_s", "commit", "status")
             if c in frame or c == "n"]
     missing = pd.Series([None] * len(frame), index=frame.index, dtype=object)
     counts = [sample_count(n, t) for n, t in zip(frame.get("n_samples", missing), frame.get("n_total", missing))]
-    shown = frame.assign(n=counts)[cols].round({c: 2 for c in ("score", "score_ci_low", "score_ci_high",
-                                                               "diff_to_full", "diff_ci_low", "diff_ci_high")})
+    shown = frame.assign(n=counts)[cols].round({**{c: 1 for c in AGREEMENT_MEANS}, **{c: 2 for c in (  # (CSV: all)
+        "score", "score_ci_low", "score_ci_high", "diff_to_full", "diff_ci_low", "diff_ci_high")}})
     print(shown.to_string(index=False) if len(frame) else f"no run directories under {args.results_dir}")
     print(f"summary: {out}")
 

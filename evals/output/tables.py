@@ -5,7 +5,10 @@ bootstrap intervals and the paired differences to the full cache are the summary
 cell -- the runs of one eval and model sharing every setting but the method and the budget (``eval.lengths``,
 ``seed``...) -- one table: a row per method (its name and any ``cache.*`` setting that differs), a column per
 budget, each entry ``score [low, high]`` with the difference to full and its interval below it in
-parentheses. After each table, the samples each run missed (ids and their score), IceCache's search
+parentheses. Below it, each run's agreement with the full cache's output on the same samples where a full cache
+run pairs (:mod:`evals.output.agreement`: answer match in %, mean tokens to divergence, ROUGE-L x 100, each with
+its 95% bootstrap interval; the full cache's own row gives its mean output length). Then the samples each run
+missed (ids and their score), IceCache's search
 statistics where a run records them (``stat/search_scored_fraction``: the mean fraction of the indexed keys
 a search scored; ``stat/search_nodes_expanded``), and the ``diagnostics=recall`` attention-mass recall on the
 common layer set where the runs were probed. Nothing is written.
@@ -44,11 +47,11 @@ def method_label(row: pd.Series) -> str:
     cfg = read_config(Path(row["run_dir"])) or {}
     options = {k: v for k, v in (cfg.get("cache") or {}).items() if k != "name"}
     defaults = method_defaults(str(row["cache"]))
+    defaults.update({k: entry["value"] for k, entry in (cfg.get("official_source") or {}).items()
+                     if isinstance(entry, dict) and "value" in entry})
     extra = [f"{k}={_setting(v)}" for k, v in sorted(options.items()) if k in defaults and defaults[k] != v]
     return f"{row['cache']}[{', '.join(extra)}]" if extra else str(row["cache"])
 
-    defaults.update({k: entry["value"] for k, entry in (cfg.get("official_source") or {}).items()
-                     if isinstance(entry, dict) and "value" in entry})
 
 def method_defaults(name: str) -> dict:
     """The default of each init field of a registered method's class ({} for a name the registry lacks)."""
@@ -137,6 +140,32 @@ def stat_table(group: pd.DataFrame, columns: dict[str, str], digits: int = 3) ->
     return "\n".join(lines)
 
 
+AGREEMENT_HEADINGS = {"answer_match": ("answer match (%)", 0), "tokens_to_divergence": ("tokens to divergence", 1),
+                      "rouge_l": ("ROUGE-L", 0)}  # summary column -> (heading, digits)
+AGREEMENT_TITLE = ("Agreement with the full cache's output (same samples; answer match: % of final answers equal to "
+                   "full's; tokens to divergence: mean generated tokens identical to full's before the first that "
+                   "differs, full's own row = its mean output length; ROUGE-L: 100 x F1 against full's text; "
+                   "95% intervals; - = not defined):")
+
+
+def agreement_table(group: pd.DataFrame) -> str | None:
+    """A row per run paired with a full cache run: its score, then each agreement mean ``mean [low, high]``
+    (:data:`AGREEMENT_HEADINGS`) and the paired samples; None where no run of the cell is paired."""
+    if "n_agreement" not in group or not group["n_agreement"].notna().any():
+        return None
+    rows = group[group["n_agreement"].notna()]
+    rows = rows.assign(_full=rows["method"] != "full").sort_values(["_full", "method", "budget"])
+    lines = ["| method | budget | score | " + " | ".join(h for h, _ in AGREEMENT_HEADINGS.values()) + " | n |",
+             "| --- | --- | --- |" + " --- |" * len(AGREEMENT_HEADINGS) + " --- |"]
+    for _, row in rows.iterrows():
+        entries = ["-" if pd.isna(row.get(c)) else
+                   f"{_fmt(row[c], d)} [{_fmt(row.get(c + '_ci_low'), d)}, {_fmt(row.get(c + '_ci_high'), d)}]"
+                   for c, (_, d) in AGREEMENT_HEADINGS.items()]
+        lines.append(f"| {row['method']} | {int(row['budget'])} | {_fmt(row.get('score'))} | " + " | ".join(entries)
+                     + f" | {int(row['n_agreement'])} |")
+    return "\n".join(lines)
+
+
 SEARCH_COLUMNS = {"stat/search_scored_fraction": "scored fraction (mean)",
                   "stat/search_scored_fraction_max": "max", "stat/search_nodes_expanded": "nodes expanded"}
 RECALL_COLUMNS = {"recall_common_mean": "recall (common layers)", "recall_mean": "recall (own layers)",
@@ -157,7 +186,11 @@ def render(results_dir: str | Path, draws: int = 2000) -> str:
         title = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in {**key, **common}.items())
         commits = ", ".join(sorted(group["commit"].dropna().astype(str).str[:7].unique()))
         parts += [f"### {title}", f"n = {int(group['n'].max())} samples per run; commit {commits}", "",
-                  cell_table(group), "", "Misses:", miss_list(group)]
+                  cell_table(group), ""]
+        agreement = agreement_table(group)
+        if agreement:
+            parts += [AGREEMENT_TITLE, "", agreement, ""]
+        parts += ["Misses:", miss_list(group)]
         for heading, columns in (("IceCache search", SEARCH_COLUMNS), ("Attention-mass recall", RECALL_COLUMNS)):
             table = stat_table(group, columns)
             if table:

@@ -68,11 +68,18 @@ LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
 INVALID = "[invalid]"
 
 
+def pqcache_answer(generation: str) -> float | None:
+    """The number PQCache's scoring reads from a generation: the last ``\\d*\\.?\\d+`` of the text before the first
+    ``"\\nQuestion: "``, commas dropped, as a float; None when it has no number."""
+    found = PQCACHE_NUMBER.findall(generation.split(PQCACHE_SPLIT)[0].replace(",", ""))
+    return float(found[-1]) if found else None
+
+
 def pqcache_correct(generation: str, answer: str) -> bool:
     """PQCache ``evaluate_pred_answer`` on ``generation.split("\\nQuestion: ")[0]``."""
-    pred = PQCACHE_NUMBER.findall(generation.split(PQCACHE_SPLIT)[0].replace(",", ""))
+    pred = pqcache_answer(generation)
     gold = PQCACHE_NUMBER.findall(answer.replace(",", ""))
-    return bool(pred) and float(pred[-1]) == float(gold[-1])
+    return pred is not None and pred == float(gold[-1])
 
 
 def lm_eval_extract(generation: str) -> dict[str, str]:
@@ -83,11 +90,30 @@ def lm_eval_extract(generation: str) -> dict[str, str]:
             "flexible_extract": next(g for g in flexible[-1] if g).strip() if flexible else INVALID}
 
 
+def lm_eval_normalise(text: str) -> str:
+    """lm-eval ``exact_match``'s normalisation as ``gsm8k_cot`` sets it: ``regexes_to_ignore`` removed, lowercased."""
+    for pattern in LM_EVAL_IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
 def lm_eval_exact_match(prediction: str, target: str) -> bool:
     """lm-eval ``exact_match`` with ``regexes_to_ignore`` and ``ignore_case`` as ``gsm8k_cot`` sets them."""
-    for pattern in LM_EVAL_IGNORE:
-        prediction, target = re.sub(pattern, "", prediction), re.sub(pattern, "", target)
-    return prediction.lower() == target.lower()
+    return lm_eval_normalise(prediction) == lm_eval_normalise(target)
+
+
+def lm_eval_answer(generation: str) -> str:
+    """The strict-match answer ``score`` compares under ``protocol: lm_eval``: the first ``The answer is ...`` of
+    the generation cut at the stop strings, normalised as ``exact_match`` compares it (``[invalid]`` when none)."""
+    return lm_eval_normalise(lm_eval_extract(cut_at_stop(generation, LM_EVAL_STOP))["strict_match"])
+
+
+def final_answer(generation: str, protocol: str = "pqcache") -> float | str | None:
+    """The final answer a protocol's ``score`` reads from a generation: :func:`pqcache_answer` (a float, None
+    without a number) or :func:`lm_eval_answer` (a normalised string, ``[invalid]`` without a match)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"gsm8k protocol must be one of {PROTOCOLS}, got '{protocol}'")
+    return pqcache_answer(generation) if protocol == "pqcache" else lm_eval_answer(generation)
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:

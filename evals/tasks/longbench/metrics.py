@@ -146,9 +146,14 @@ DATASET2METRIC = {
 }
 
 
+def scored_text(task: str, prediction: str) -> str:
+    """The part of a prediction the task's metric reads (``eval.py``): its first line for :data:`FIRST_LINE_TASKS`
+    (leading newlines dropped), the whole text otherwise."""
+    return prediction.lstrip("\n").split("\n")[0] if task in FIRST_LINE_TASKS else prediction
+
+
 def score_prediction(task: str, prediction: str, answers: list[str], all_classes: list[str] | None) -> float:
     """Per-sample score (0-1): the first-line rule, then the max of the task's metric over the answers."""
-    if task in FIRST_LINE_TASKS:
-        prediction = prediction.lstrip("\n").split("\n")[0]
+    prediction = scored_text(task, prediction)
     metric = DATASET2METRIC[task]
     return max((metric(prediction, gt, all_classes=all_classes) for gt in answers), default=0.0)
