@@ -37,19 +37,24 @@ whose pages are groups of semantically close sibling tokens.
   not changed since keep their slot; only new or changed pages are bulk-loaded (one packed transfer,
   :meth:`OffloadStore.bulk_load`) into the slots freed by pages that dropped out. Attention runs over
   sink + selected pages + window, the empty slots of under-filled pages masked (head axis ``H_kv``).
-* Window eviction (official ``decode_backup_win_page``, ``offload_win_page_to_DCI``): when a new token
-  finds the window's pages all full, the oldest
-  window page leaves the window first: its K/V go to the offload store and its keys are inserted into
-  the index before this step's search (where the official code's staged insert lands); the pages the
-  insert changed are marked stale, so a resident copy is refetched when selected again. The window
-  thus holds between ``(n_window - 1) * page_size + 1`` and ``n_window * page_size`` tokens at
-  attention, the current one included.
+* Window eviction (official ``decode_backup_win_page``, ``offload_win_page_to_DCI``): at the step whose token
+  fills the window's last page, the oldest window page is copied to the offload store and its keys are
+  inserted into the index before this step's search, while it is still in the window (the official
+  ``adapter/modeling.py`` decode path inserts the staged page after layer 0's attention of that step, before any
+  budgeted layer searches); at the next step it leaves the window. Until then its tokens are attended twice
+  if a selected page holds some of them, as in the official code. ``window_insert="on_evict"`` inserts the
+  page only as it leaves the window (no token is in both). A prompt whose last page is full leaves the window
+  full at prefill; its oldest page is inserted at the first decode step (official ``_finish_prefill`` stages
+  it, ``_prepare_decode`` inserts it). The pages an insert changed are marked stale, so a resident copy is
+  refetched when selected again. The window thus holds between ``(n_window - 1) * page_size + 1`` and
+  ``n_window * page_size`` tokens at attention, the current one included.
 
-Budget layouts: ``budget_layout="auto"`` (default) lowers the sink to as
-few as one page when the budget would otherwise leave no retrieved page, so 64 tokens with 16-token
-pages = (1 sink, 1 retrieved, 2 window) (the official code asserts at 64 tokens) while 80
-tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as given. The other
-option, 8-token pages at 64 tokens (2+4+2 pages), is ``page_size=8``.
+Budget layouts, the readings of a 64-token budget (the official code asserts at 64 tokens with 16-token pages,
+as no page is left to retrieve): ``budget_layout="auto"`` (default) lowers the sink to as few as one page when the
+budget would otherwise leave no retrieved page, so 64 tokens = (1 sink, 1 retrieved, 2 window) pages of 16, while
+80 tokens and up keep (2 sink, 2 window, K); ``"fixed"`` uses ``n_sink_pages`` as given (``n_sink_pages=0``:
+0 + 2 + 2 pages of 16, which the official CLI's ``--n-sink-pages 0`` allows); ``page_size=8`` gives 2 + 4 + 2 pages
+of 8 tokens; ``"retrieved"`` reads the budget as retrieved tokens only (2 + 4 + 2 pages of 16, 128 tokens).
 
 Accounting: :meth:`resident_tokens` counts the device-side resident set of a budgeted layer, sink +
 every retrieved slot's capacity + window (at most ``B`` tokens between steps; at attention at most
@@ -60,7 +65,6 @@ bytes copied from the store to the device.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -70,61 +74,16 @@ import torch
 
 from icecache.dci import DCIConfig, MDCIIndex, merge_gqa
 from icecache.dci.gqa import MERGE_MODES, SCORED_MODES
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
-from icecache.kv.state import SequenceState
+from icecache.kv import BudgetError, Fetched, KVMethod, ModelSpec
 from icecache.kv.base import tensor_bytes
 from icecache.offload import OffloadStore
+from icecache.paged_state import IceSequence, IceState, prompt_seed
 from icecache.resident import ResidentBuffer
 
+__all__ = ["BUDGET_LAYOUTS", "IceCache", "IceSequence", "IceState", "prompt_seed"]
 
-class IceState(LayerState):
-    """One layer: before offloading, the inherited ``k, v, pos`` hold every token (dense layers always);
-    after, :attr:`buffer` (a :class:`~icecache.resident.ResidentBuffer`) holds sink | page slots | window."""
-
-    def __init__(self, layer_idx: int):
-        super().__init__(layer_idx)
-        self.buffer: ResidentBuffer | None = None
-        self.store: OffloadStore | None = None
-        self.index: MDCIIndex | None = None  # anchors only
-        self.selection: torch.Tensor | None = None  # [H_kv, W] pages selected at step ``selected_at``
-        self.candidates: torch.Tensor | None = None  # [H_kv, C >= W] the merged candidates, best first
-        self.selected_at = -1
-        self.changed: torch.Tensor | None = None  # [H_kv, n_pages] pages changed by the last insert
-        self.changed_at = -1
-        self.step_bytes = 0
-        self.dense = False  # a short prompt under ``short_prompt="dense"``: attends everything, never offloads
-
-    @property
-    def offloaded(self) -> bool:
-        return self.buffer is not None
-
-    # read-only views of the buffer's page table (tests, tools)
-    win_start = property(lambda self: self.buffer.win_start)
-    win_len = property(lambda self: self.buffer.win_len)
-    slot_k = property(lambda self: self.buffer.slot_k)
-    slot_v = property(lambda self: self.buffer.slot_v)
-    slot_page = property(lambda self: torch.from_numpy(self.buffer.slot_page))
-    slot_tokens = property(lambda self: torch.from_numpy(self.buffer.slot_tokens))
-
-
-class IceSequence(SequenceState):
-    """A prompt's state across layers: the projection seed of its indexes (``projection="per_prompt"``: drawn at
-    the first layer's prefill) and the offload job queued last (``prefill_pipeline="official"``)."""
-
-    def __init__(self, worker_name: str, seed: int):
-        super().__init__(worker_name)
-        self.projection_seed = seed
-        self.prefill_job = None
-
-
-def prompt_seed(seed: int, keys: torch.Tensor) -> int:
-    """A projection seed drawn from ``seed`` and one prompt (``projection="per_prompt"``): a digest of the first
-    layer's prompt keys ``[H_kv, n, d]``, which depend on the token ids and positions only, so the same prompt
-    gets the same direction in any process, order or replay, and another prompt another one."""
-    flat = keys.detach().reshape(-1, keys.shape[-1])
-    rows = torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy()
-    digest = hashlib.blake2b(rows.tobytes() + np.int64(keys.shape[1]).tobytes(), digest_size=8).digest()
-    return int(np.random.default_rng([seed, int.from_bytes(digest, "little")]).integers(2**31))
+# how ``budget`` splits into pages (:meth:`IceCache.layout`); the readings of a 64-token budget are in docs/fidelity.md
+BUDGET_LAYOUTS = ("auto", "fixed", "retrieved")
 
 
 @dataclass
@@ -145,7 +104,9 @@ class IceCache(KVMethod):
         n_sink_pages: first pages always resident (official 2; see ``budget_layout``).
         n_window_pages: most recent pages always resident, the last one being filled (official 2, >= 2).
         budget_layout: ``"auto"``: fewer sink pages (down to 1) when the budget leaves no retrieved page
-            (64 tokens -> 1 sink + 1 retrieved + 2 window pages); ``"fixed"``: ``n_sink_pages`` as given.
+            (64 tokens -> 1 sink + 1 retrieved + 2 window pages); ``"fixed"``: ``n_sink_pages`` as given;
+            ``"retrieved"``: the budget counts the retrieved pages only, sink and window pages come on top
+            (64 -> 2 sink + 4 retrieved + 2 window pages of 16, 128 tokens attended).
         n_dense_layers: first layers kept dense (official ``n_unlimited_layers`` = 2).
         gqa_merge: ``"interleaved"`` (official ``first_k_unique``, capped at ``K`` pages per KV head),
             ``"union"`` (every page any query head of the group selected; over the budget by design), or the
@@ -163,11 +124,17 @@ class IceCache(KVMethod):
             for the job queued before it, and joins the last job before returning, so TTFT includes every build
             but the overlap of one layer (official ``infer_state``); ``"overlap"``: every job is queued on the
             background worker and awaited at that layer's first decode step (the builds show in TT2T).
-        projection: ``"per_prompt"`` (official: the C code reseeds ``drand48`` from the clock at every
-            ``dci_init``, a fresh direction per prompt): here drawn from ``seed`` and a digest of the prompt
-            (:func:`prompt_seed`), so the same prompt gets the same direction in any process and order;
-            ``"seeded"``: one direction from ``seed`` for every prompt. Either way all layers and heads of one
-            prefill share it, as the official code passes one ``proj_vec`` to every layer.
+        projection: ``"per_prompt"`` (official reading): a fresh random direction for every prompt, as the official
+            ``infer_state._prepare_prefill`` draws ``torch.randn(1, d + 1)`` at every prefill after the scripts'
+            ``seed_everything(42)``, so prompt ``i`` of a run gets the ``i``-th draw of that stream (the C code's
+            clock-seeded ``drand48`` drives only the random promotion, which the scripts leave off). Here the
+            direction is drawn from ``seed`` and a digest of the prompt (:func:`prompt_seed`), so it does not depend
+            on the order or the process in which prompts run (a resumed, replayed or sharded run gets the same
+            one); ``"seeded"``: one direction from ``seed`` for every prompt. Either way all layers and heads of
+            one prefill share it, as the official code passes one ``proj_vec`` to every layer.
+        window_insert: when the oldest window page enters the offload store and the index: ``"when_full"``
+            (official: at the step the window fills, one step before it leaves the window) or ``"on_evict"``
+            (as it leaves the window).
         key_storage: the index's copy of the keys: ``"auto"`` (bf16 keys stay bf16: the same scores at half the
             bytes the search reads) or ``"float32"`` (:class:`~icecache.dci.DCIConfig`).
         ratio_1, ratio_2, search_ratio, min_fov, seed: M-DCI parameters
@@ -191,6 +158,7 @@ class IceCache(KVMethod):
     candidate_rule: str = "official"
     prefill_pipeline: str = "official"
     projection: str = "per_prompt"
+    window_insert: str = "when_full"
     key_storage: str = "auto"
     seed: int = 0
     name: ClassVar[str] = "icecache"
@@ -199,15 +167,24 @@ class IceCache(KVMethod):
     official: ClassVar[dict] = dict(
         page_size=16, n_sink_pages=2, n_window_pages=2, n_dense_layers=2, gqa_merge="interleaved",
         always_index=False, short_prompt="dense", ratio_1=0.01, ratio_2=0.2, search_ratio=1.5e-3, min_fov=30,
-        prop_to_retrieve=0.8, candidate_rule="official", prefill_pipeline="official", projection="per_prompt")
+        prop_to_retrieve=0.8, candidate_rule="official", prefill_pipeline="official", projection="per_prompt",
+        window_insert="when_full")
 
     # ------------------------------------------------------------------ configuration
     def layout(self) -> tuple[int, int, int]:
         """``(sink, window, retrieved)`` pages of the budget."""
         pages, sink = self.budget // self.page_size, self.n_sink_pages
+        if self.budget_layout == "retrieved":
+            return sink, self.n_window_pages, pages
         if self.budget_layout == "auto":
             sink = min(sink, max(1, pages - self.n_window_pages - 1))
         return sink, self.n_window_pages, pages - sink - self.n_window_pages
+
+    @property
+    def attended_tokens(self) -> int:
+        """Past tokens a budgeted layer holds for attention: sink + retrieved + window pages (the budget, except
+        under ``budget_layout="retrieved"``, where the budget counts the retrieved pages only)."""
+        return sum(self.layout()) * self.page_size
 
     def validate(self) -> None:
         for key in ("page_size", "n_sink_pages", "n_window_pages", "n_dense_layers", "gqa_candidates"):
@@ -217,9 +194,10 @@ class IceCache(KVMethod):
         self.check_choice("candidate_rule", ("scored", "official"))
         self.check_choice("prefill_pipeline", ("overlap", "official"))
         self.check_choice("projection", ("seeded", "per_prompt"))
+        self.check_choice("window_insert", ("when_full", "on_evict"))
         self.check_choice("key_storage", ("auto", "float32"))
-        if self.budget_layout not in ("auto", "fixed"):
-            raise ValueError(f"{self.name}: budget_layout must be 'auto' or 'fixed', got {self.budget_layout!r}")
+        if self.budget_layout not in BUDGET_LAYOUTS:
+            raise ValueError(f"{self.name}: budget_layout must be one of {BUDGET_LAYOUTS}, got {self.budget_layout!r}")
         if self.gqa_merge not in MERGE_MODES:
             raise ValueError(f"{self.name}: gqa_merge must be one of {MERGE_MODES}, got {self.gqa_merge!r}")
         if self.gqa_candidates < 0:
@@ -262,7 +240,7 @@ class IceCache(KVMethod):
     def index_threshold(self) -> int:
         """A budgeted layer offloads once it holds more tokens than this (official: ``B``)."""
         sink, window, _ = self.layout()
-        return (sink + window) * self.page_size if self.always_index else self.budget
+        return (sink + window) * self.page_size if self.always_index else self.attended_tokens
 
     # ------------------------------------------------------------------ cross-layer hooks (reuse)
     def builds_index(self, layer_idx: int) -> bool:
@@ -330,13 +308,23 @@ class IceCache(KVMethod):
         if st.buffer.window_full():  # the oldest page leaves
             self.evict_oldest_window_page(st)
         st.buffer.append(k, v)
+        if self.window_insert == "when_full" and st.buffer.window_full():
+            self.index_oldest_window_page(st)
 
-    def evict_oldest_window_page(self, st: IceState) -> None:
-        """The oldest window page goes to the offload store and (anchors) into the index, before this
-        step's search, as the official code inserts it; resident copies of the pages it changed go stale."""
-        k, v, positions = st.buffer.evict_oldest_window_page()
+    def index_oldest_window_page(self, st: IceState) -> None:
+        """The oldest window page goes to the offload store and (anchors) into the index, before this step's
+        search; resident copies of the pages the insert changed go stale. The page stays in the window."""
+        k, v, positions = st.buffer.oldest_window_page()
         st.store.append(k, v)
         st.buffer.mark_stale(self.insert_evicted(st, k, positions).numpy())
+        st.window_page_indexed = True
+
+    def evict_oldest_window_page(self, st: IceState) -> None:
+        """The oldest window page leaves the window, indexed first if it is not yet."""
+        if not st.window_page_indexed:
+            self.index_oldest_window_page(st)
+        st.buffer.drop_oldest_window_page()
+        st.window_page_indexed = False
 
     def insert_evicted(self, st: IceState, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inserts the host keys ``[H_kv, s, d]`` evicted from the window; returns the changed-page flags."""
@@ -411,7 +399,7 @@ class IceCache(KVMethod):
 
     def resident_bound(self) -> int:
         """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
-        return self.budget + (self.n_slots - self.layout()[2]) * self.page_size
+        return self.attended_tokens + (self.n_slots - self.layout()[2]) * self.page_size
 
     def check_resident(self, st: IceState) -> None:
         if self.is_budgeted(st.layer_idx) and not st.dense and self.resident_tokens(st) > self.resident_bound():

@@ -189,16 +189,26 @@ class ResidentBuffer:
             self.k[:, i], self.v[:, i], self.valid[:, i] = k, v, True
         self.win_len += m
 
-    def evict_oldest_window_page(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Removes the oldest window page; returns its host ``k, v [H_kv, s, d]`` (one device-to-host copy)
-        and its positions ``[s]``."""
+    def oldest_window_page(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A host copy of the oldest window page, which stays in the window: ``k, v [H_kv, s, d]`` (one
+        device-to-host copy) and its positions ``[s]``."""
         s = self.page_size
         positions = torch.arange(self.win_start, self.win_start + s)
         oldest = self.window_index(positions).to(self.k.device)
         k, v = torch.stack((self.k[:, oldest], self.v[:, oldest])).cpu()
-        self.valid[:, oldest] = False
-        self.win_start, self.win_len = self.win_start + s, self.win_len - s
         return k, v, positions
+
+    def drop_oldest_window_page(self) -> None:
+        """Removes the oldest window page from the window (its entries masked until reused)."""
+        s = self.page_size
+        self.valid[:, self.window_index(torch.arange(self.win_start, self.win_start + s)).to(self.k.device)] = False
+        self.win_start, self.win_len = self.win_start + s, self.win_len - s
+
+    def evict_oldest_window_page(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Removes the oldest window page; returns what :meth:`oldest_window_page` returns."""
+        page = self.oldest_window_page()
+        self.drop_oldest_window_page()
+        return page
 
     # ------------------------------------------------------------------ page slots
     def mark_stale(self, changed: np.ndarray) -> None:

@@ -141,6 +141,21 @@ def test_layouts():
     assert make_method("icecache", budget=256, **official).layout() == (2, 2, 12)
     assert make_method("icecache", budget=64, page_size=8).layout() == (2, 2, 4)
     assert make_method("icecache", budget=64, n_sink_pages=0, budget_layout="fixed", **official).layout() == (0, 2, 2)
+    retrieved = make_method("icecache", budget=64, budget_layout="retrieved")  # 64 retrieved tokens + sink + window
+    assert retrieved.layout() == (2, 2, 4) and retrieved.attended_tokens == 128
+    assert make_method("icecache", budget=256).attended_tokens == 256
+
+
+def test_the_retrieved_reading_attends_its_pages_on_top_of_the_budget():
+    """``budget_layout="retrieved"``: 64 retrieved tokens plus 2 sink and 2 window pages, never more."""
+    m = make_method("icecache", budget=64, budget_layout="retrieved", debug=True)
+    drv = Driver(m, prompt=400)
+    q = torch.randn(H_Q, 1, D)
+    for _ in range(20):
+        drv.step(q)
+    st = drv.states[2]
+    assert st.offloaded and m.resident_tokens(st) <= 128
+    assert (st.slot_page >= 0).sum(dim=1).tolist() == [4] * H_KV
 
 
 def test_tuned_resolves_per_budget_and_explicit_values_win():
@@ -294,8 +309,9 @@ def test_attends_exactly_sink_selected_pages_and_window(method):
 
 @pytest.mark.parametrize("method", ["icecache", "icecache_reuse"])
 def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
-    # the window [256, 284) fills at the 4th step; its oldest page, evicted and inserted at the 5th,
-    # holds copies of the keys at 100..115, so the insert changes the page of token 100 ...
+    # the window [256, 284) fills at the 4th step, which inserts its oldest page (official timing: it leaves the
+    # window at the 5th); that page holds copies of the keys at 100..115, so the insert changes the page of
+    # token 100 ...
     official_reuse = {"rerank": 0} if method == "icecache_reuse" else {}  # the reusing layer loads the anchor's pages
     m = make_method(method, budget=128, page_size=16, prop_to_retrieve=1.0, min_fov=1 << 20, **official_reuse)
     drv = Driver(m, prompt=284, copy=(slice(256, 272), slice(100, 116)))
@@ -309,10 +325,11 @@ def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
     assert st.step_bytes == 0 and anchor.step_bytes == 0  # same query, same pages: nothing moves
     assert st.bytes_moved == first
     drv.step(q)
-    drv.step(q)
-    assert anchor.win_len == m.n_window_pages * m.page_size and anchor.step_bytes == 0
+    assert anchor.win_len == m.n_window_pages * m.page_size - 1 and anchor.step_bytes == 0
     held = {layer: page_pairs(layer.slot_page) for layer in (anchor, st)}
-    drv.step(q)  # evicts and inserts the oldest window page, then selects with the same query
+    drv.step(q)  # fills the window and inserts its oldest page, then selects with the same query
+    assert anchor.win_len == m.n_window_pages * m.page_size and anchor.window_page_indexed
+    inserted_at = anchor.changed_at
     for layer in (anchor, st):
         src = m.page_source(layer)  # IceCache: the layer itself; IceCache(reuse): the anchor
         now, changed = page_pairs(src.selection), {(h, p) for h, p in src.changed.nonzero().tolist()}
@@ -329,6 +346,9 @@ def test_repeated_query_moves_nothing_and_changed_pages_are_refetched(method):
                 assert torch.equal(layer.slot_tokens[h, slot], table[h, page])
                 ok = table[h, page] >= 0
                 torch.testing.assert_close(layer.slot_k[h, slot][ok], drv.k[layer.layer_idx][h, table[h, page][ok]])
+    drv.step(q)  # the inserted page leaves the window without a second insert
+    assert anchor.win_len == (m.n_window_pages - 1) * m.page_size + 1 and not anchor.window_page_indexed
+    assert anchor.changed_at == inserted_at and anchor.step_bytes == 0
 
 
 def test_reuse_layer_loads_its_own_kv_in_the_anchors_layout():
