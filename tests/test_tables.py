@@ -73,6 +73,21 @@ def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tm
     assert tables.render(copy, draws=200) == tables.render(folder, draws=200)
 
 
+def test_archive_partial_keeps_runs_in_progress_whole(folder, tmp_path):
+    """A run without ``metrics.json`` (stopped mid-way) is left out by default; ``partial`` copies it with every
+    row field, timing included, and no metrics, so a copy back resumes it."""
+    stopped = sorted(folder.rglob("metrics.json"))[0].parent
+    (stopped / "metrics.json").unlink()
+    rows = (stopped / "predictions.jsonl").read_text().splitlines()
+    assert len(archive.archive(folder, tmp_path / "complete")) == 4
+    written = archive.archive(folder, tmp_path / "all", partial=True)
+    copy = tmp_path / "all" / stopped.relative_to(folder)
+    assert len(written) == 5 and copy in written and not (copy / "metrics.json").exists()
+    assert [json.loads(line) for line in (copy / "predictions.jsonl").read_text().splitlines()] == \
+        [json.loads(line) for line in rows]
+    assert (copy / "config_hash").read_text() == (stopped / "config_hash").read_text()
+
+
 def test_missing_folder_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tables.main([str(tmp_path / "nowhere")])

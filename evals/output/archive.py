@@ -6,6 +6,10 @@ Every complete run directory under ``SRC`` (one with ``metrics.json``) is copied
 (the run-level ``timing.json`` keeps the timing summary), which is most of the file's size. The archived
 folder reads like any results folder: ``python -m evals.output.summary DST`` and
 ``python -m evals.output.tables DST`` give the same scores and intervals as on ``SRC``.
+
+``--partial`` also copies the run directories still in progress (no ``metrics.json``: a long run stopped with its
+machine), with their rows whole, timing included, so copying such a directory back under a results folder and
+rerunning the same command resumes it from the committed rows (``cp -r DST/<eval>/<model>/<run> results/...``).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ KEPT_FILES = ("config.yaml", "config_hash", "resolved.json", "metrics.json", "ti
 DROPPED_ROW_FIELDS = ("timing",)
 
 
-def archive_run(run_dir: Path, target: Path) -> None:
-    """Copies one run directory (see the module docstring) to ``target``."""
+def archive_run(run_dir: Path, target: Path, dropped: tuple[str, ...] = DROPPED_ROW_FIELDS) -> None:
+    """Copies one run directory (see the module docstring) to ``target``, its rows without the ``dropped`` fields."""
     target.mkdir(parents=True, exist_ok=True)
     for name in KEPT_FILES:
         if (run_dir / name).exists():
@@ -30,16 +34,22 @@ def archive_run(run_dir: Path, target: Path) -> None:
     rows = load_predictions(run_dir / "predictions.jsonl")
     with open(target / "predictions.jsonl", "w") as f:
         for row in rows:
-            f.write(json.dumps({k: v for k, v in row.items() if k not in DROPPED_ROW_FIELDS}) + "\n")
+            f.write(json.dumps({k: v for k, v in row.items() if k not in dropped}) + "\n")
 
 
-def archive(source: Path, destination: Path) -> list[Path]:
-    """Archives every complete run directory under ``source``; returns the directories written."""
+def archive(source: Path, destination: Path, partial: bool = False) -> list[Path]:
+    """Archives every complete run directory under ``source`` (and, with ``partial``, every one in progress, rows
+    whole); returns the directories written."""
     written = []
-    for stamp in sorted(source.rglob("metrics.json")):
+    for stamp in sorted(source.rglob("config_hash")):
         run_dir = stamp.parent
+        complete = (run_dir / "metrics.json").exists()
+        if not (complete or partial and (run_dir / "predictions.jsonl").exists()):
+            continue
         target = destination / run_dir.relative_to(source)
-        archive_run(run_dir, target)
+        if not complete:
+            (target / "metrics.json").unlink(missing_ok=True)
+        archive_run(run_dir, target, DROPPED_ROW_FIELDS if complete else ())
         written.append(target)
     return written
 
@@ -48,11 +58,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path)
     parser.add_argument("destination", type=Path)
+    parser.add_argument("--partial", action="store_true",
+                        help="also copy runs in progress (rows whole, so a copy back resumes them)")
     args = parser.parse_args(argv)
     if not args.source.is_dir():
         print(f"error: {args.source} is not a folder of run directories", file=sys.stderr)
         sys.exit(2)
-    written = archive(args.source, args.destination)
+    written = archive(args.source, args.destination, args.partial)
     print(f"{len(written)} run directories archived under {args.destination}")
 
 
