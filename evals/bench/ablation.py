@@ -46,7 +46,7 @@ from evals.registry import make_method
 from evals.output.results import row_provenance
 from evals.tasks.ruler import Ruler
 from evals.runner import generate
-from evals.output.summary import percentile_interval, resample_means
+from evals.output.pairing import percentile_interval, resample_means
 from evals.models import load_model, load_tokenizer
 from icecache.kv import KVMethod
 from icecache.kv.recall import RecallProbe, positions_mask
@@ -247,7 +247,7 @@ def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.Da
     that full also answered, full's score on the same samples, their ratio, and its 95% paired bootstrap interval
     (``draws`` resamples of the samples within each task, the same draw for both: the spread a sample of this size
     leaves on the ratio). The resampling and the percentile interval are the summary's
-    (:func:`evals.output.summary.resample_means`, :func:`evals.output.summary.percentile_interval`); one generator seeded
+    (:func:`evals.output.pairing.resample_means`, :func:`evals.output.pairing.percentile_interval`); one generator seeded
     ``seed`` serves every cell in turn."""
     rng = np.random.default_rng(seed)
     full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"]

@@ -32,7 +32,7 @@ Per paired sample (:func:`agreement_row`):
 Per run (:func:`agreement_summary`, the summary's columns :data:`AGREEMENT_COLUMNS`): ``answer_match`` (% of the
 pairs where it is defined), ``tokens_to_divergence`` (mean tokens), ``rouge_l`` (100 x mean F1), each over the
 pairs where it is defined, with a 95% percentile bootstrap interval (``*_ci_low``/``*_ci_high``,
-:func:`evals.output.summary.resample_means` over the pairs, seed 0) and ``n_agreement`` (the pairs). The full
+:func:`evals.output.pairing.resample_means` over the pairs, seed 0) and ``n_agreement`` (the pairs). The full
 cache run paired with itself shows 100, its mean output length and 100.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..tasks import gsm8k
 from ..tasks.longbench import CHINESE_TASKS
 from ..tasks.longbench.metrics import _jieba_cut, normalize_answer, normalize_zh_answer, rouge_score, scored_text
 from .results import load_predictions
-from .summary import DRAWS, LEVEL, SEED, full_reference, percentile_interval, resample_means
+from .pairing import DRAWS, LEVEL, SEED, full_reference, percentile_interval, resample_means
 
 ROUGE_MAX_WORDS = 1024  # longer texts get rouge_l None (GSM8K's 256 and LongBench's <= 512 new tokens are shorter)
 # LongBench tasks whose answer is short enough to be compared whole, and the normaliser of their metric
@@ -134,7 +134,7 @@ def paired_agreement(eval_name: str, rows: list[dict], full_rows: list[dict]) ->
 def mean_interval(values: list[float], scale: float = 1.0, draws: int = DRAWS, seed: int = SEED,
                   level: float = LEVEL) -> tuple[float | None, float | None, float | None]:
     """``scale`` x the mean of ``values`` and its ``level`` percentile bootstrap interval (``draws`` resamples of
-    the values, :func:`~evals.output.summary.resample_means`); Nones for no values, no interval for ``draws=0``."""
+    the values, :func:`~evals.output.pairing.resample_means`); Nones for no values, no interval for ``draws=0``."""
     if not values:
         return None, None, None
     x = scale * np.asarray(values, dtype=float)
@@ -158,7 +158,7 @@ def agreement_summary(pairs: list[dict], draws: int = DRAWS, seed: int = SEED, l
 def add_agreement(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED,
                   cache: dict | None = None) -> None:
     """Fills :data:`AGREEMENT_COLUMNS` of every finished run of the summary's ``rows`` (``flat``: their settings)
-    that has a full cache run to pair with (:func:`evals.output.summary.full_reference`, the full cache run of
+    that has a full cache run to pair with (:func:`evals.output.pairing.full_reference`, the full cache run of
     ``diff_to_full``), whatever its suite; ``cache``: predictions already read, by run directory."""
     cache = {} if cache is None else cache
     loaded = {i: cache.get(row["run_dir"]) or load_predictions(Path(row["run_dir"]) / "predictions.jsonl")

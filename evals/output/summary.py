@@ -26,7 +26,7 @@ Uncertainty (:func:`add_intervals`), per complete run with a quality score, from
 - ``diff_to_full``/``diff_ci_low``/``diff_ci_high``: the run's score minus the full cache's score on the
   ``n_paired`` samples both answered (matched by sample id), with a 95% paired bootstrap interval (the same
   resample of sample ids for both); the full cache run is one with the same eval, model and every setting
-  but ``cache.*``, the budget and :data:`PAIRING_IGNORED` (the one sharing most samples, then the one at
+  but ``cache.*``, the budget and :data:`~evals.output.pairing.PAIRING_IGNORED` (the one sharing most samples, then the one at
   the same budget). A full cache run is paired with itself (0, [0, 0]); without a full cache run to pair
   with, these stay empty.
 
@@ -58,19 +58,16 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from .pairing import DRAWS, LEVEL, SEED, full_reference, percentile_interval, resample_means
 from .results import METHOD_TOP_LEVEL, NON_SEMANTIC, SET_ONLY, canonical, load_predictions, read_resolved
 from .schema import (commit_text, limit_warning, read_recall, read_results, recall_columns, run_status,
                      sample_count, score_columns, timing_columns)
 
 KEYS = ("eval", "model", "cache")  # with budget: the named axes of every figure
-DRAWS, SEED, LEVEL = 2000, 0, 0.95  # bootstrap resamples, their seed, the confidence level
 INTERVAL_COLUMNS = ("score_ci_low", "score_ci_high", "n", "diff_to_full", "diff_ci_low", "diff_ci_high", "n_paired")
 # how far a score recomputed from the rows may be from metrics.json's: a per-task mean rounded to 2 decimals
 # (LongBench, RULER) may round the other way when numpy sums in another order than the suite
 SCORE_TOLERANCE = 0.01
-# settings that do not change which samples a run answers nor the answers: a full cache run is paired across them
-# (a limited run pairs with the full cache run that shares most of its samples, limited or not)
-PAIRING_IGNORED = ("prefill_cache", "prefill_cache_max_gb", "diagnostics", "limit")
 
 
 def read_config(run_dir: Path) -> dict | None:
@@ -179,20 +176,6 @@ def _text(value) -> str:
 
 
 # ---------------------------------------------------------------- bootstrap intervals
-def resample_means(groups: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """For each group (``[n_g, ...]`` rows), the means of ``draws`` resamples of its rows with replacement:
-    ``[draws, ...]``. The groups draw from ``rng`` in order, each as ``rng.integers(0, n_g, (draws, n_g))``; a
-    paired resample stacks both members of a pair in one row, so one draw picks the same samples for both."""
-    return [g[rng.integers(0, len(g), (draws, len(g)))].mean(1) for g in groups]
-
-
-def percentile_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
-    """The central ``level`` percentile interval of bootstrap statistics (numpy's linear interpolation)."""
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(values, [tail, 100 - tail])
-    return float(low), float(high)
-
-
 def _round2(x: np.ndarray) -> np.ndarray:
     return np.round(x, 2)
 
@@ -312,23 +295,6 @@ def paired_difference(rows: list[dict], full_rows: list[dict], aggregate: Aggreg
     (own, full), (own_boot, full_boot) = bootstrap([common, [by_id[r["id"]] for r in common]], aggregate, draws, seed)
     low, high = percentile_interval(own_boot - full_boot, level)
     return {"diff_to_full": own - full, "diff_ci_low": low, "diff_ci_high": high, "n_paired": len(common)}
-
-
-def _pairing_key(row: dict, flat: dict) -> tuple:
-    kept = {k: v for k, v in flat.items()
-            if not k.startswith("cache.") and k.split(".", 1)[0] not in PAIRING_IGNORED}
-    return row["eval"], row["model"], json.dumps(kept, sort_keys=True, default=str)
-
-
-def full_reference(i: int, rows: list[dict], flat: list[dict], loaded: dict[int, list[dict]]) -> int | None:
-    """The full cache run paired with run ``i`` among the runs ``loaded`` (index -> rows), as the module docstring
-    says (itself for a full cache run), or None."""
-    if rows[i]["cache"] == "full":
-        return i
-    key, ids = _pairing_key(rows[i], flat[i]), {r["id"] for r in loaded[i]}
-    candidates = [j for j in loaded if rows[j]["cache"] == "full" and _pairing_key(rows[j], flat[j]) == key]
-    same = lambda j: (sum(r["id"] in ids for r in loaded[j]), rows[j]["budget"] == rows[i]["budget"], -j)  # noqa: E731
-    return max(candidates, key=same) if candidates else None
 
 
 def add_intervals(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: int = SEED,

@@ -1,0 +1,44 @@
+"""Bootstrap intervals and the pairing of a run with its full-cache run, shared by the summary
+(:mod:`evals.output.summary`) and the agreement with the full cache (:mod:`evals.output.agreement`)."""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+DRAWS, SEED, LEVEL = 2000, 0, 0.95  # bootstrap resamples, their seed, the confidence level
+# settings that do not change which samples a run answers nor the answers: a full cache run is paired across them
+# (a limited run pairs with the full cache run that shares most of its samples, limited or not)
+PAIRING_IGNORED = ("prefill_cache", "prefill_cache_max_gb", "diagnostics", "limit")
+
+
+def resample_means(groups: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """For each group (``[n_g, ...]`` rows), the means of ``draws`` resamples of its rows with replacement:
+    ``[draws, ...]``. The groups draw from ``rng`` in order, each as ``rng.integers(0, n_g, (draws, n_g))``; a
+    paired resample stacks both members of a pair in one row, so one draw picks the same samples for both."""
+    return [g[rng.integers(0, len(g), (draws, len(g)))].mean(1) for g in groups]
+
+
+def percentile_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """The central ``level`` percentile interval of bootstrap statistics (numpy's linear interpolation)."""
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def _pairing_key(row: dict, flat: dict) -> tuple:
+    kept = {k: v for k, v in flat.items()
+            if not k.startswith("cache.") and k.split(".", 1)[0] not in PAIRING_IGNORED}
+    return row["eval"], row["model"], json.dumps(kept, sort_keys=True, default=str)
+
+
+def full_reference(i: int, rows: list[dict], flat: list[dict], loaded: dict[int, list[dict]]) -> int | None:
+    """The full cache run paired with run ``i`` among the runs ``loaded`` (index -> rows), as the module docstring
+    says (itself for a full cache run), or None."""
+    if rows[i]["cache"] == "full":
+        return i
+    key, ids = _pairing_key(rows[i], flat[i]), {r["id"] for r in loaded[i]}
+    candidates = [j for j in loaded if rows[j]["cache"] == "full" and _pairing_key(rows[j], flat[j]) == key]
+    same = lambda j: (sum(r["id"] in ids for r in loaded[j]), rows[j]["budget"] == rows[i]["budget"], -j)  # noqa: E731
+    return max(candidates, key=same) if candidates else None
