@@ -15,9 +15,10 @@ IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
 
 
 def write_run(root: Path, cache: str, budget: int, scores: list[float], stats: dict | None = None,
-              **options) -> Path:
+              limit: int | None = None, **options) -> Path:
     cfg = {"eval": {"name": "passkey", "lengths": [1024], "depths": 5}, "model": {"name": "tiny-llama"},
-           "cache": {"name": cache, **options}, "budget": budget, "seed": 0, "results_dir": str(root)}
+           "cache": {"name": cache, **options}, "budget": budget, "seed": 0, "results_dir": str(root),
+           **({"limit": limit} if limit else {})}
     run_dir = results.run_dir_for(cfg)
     run = results.RunDir(run_dir, cfg, yaml.safe_dump(cfg))
     rows = [{"id": i, "task": "passkey_1024", "prediction": "", "reference": "", "scores": {"score": s},
@@ -86,6 +87,20 @@ def test_archive_partial_keeps_runs_in_progress_whole(folder, tmp_path):
     assert [json.loads(line) for line in (copy / "predictions.jsonl").read_text().splitlines()] == \
         [json.loads(line) for line in rows]
     assert (copy / "config_hash").read_text() == (stopped / "config_hash").read_text()
+
+
+def test_limited_runs_are_tabulated_on_request_in_a_cell_of_their_limit(tmp_path):
+    root = tmp_path / "results"
+    write_run(root, "full", 64, [1, 1, 1, 1, 1], limit=5)
+    write_run(root, "icecache", 64, [1, 0, 1, 1, 0], limit=5)
+    write_run(root, "full", 64, [1, 1, 1, 1, 1])
+    write_run(root, "streaming_llm", 64, [0, 0, 0, 0, 0])
+    assert "limit=5" not in tables.render(root, draws=50)
+    text = tables.render(root, draws=50, limited=True)
+    cells = text.split("### ")[1:]
+    assert len(cells) == 2 and sum("limit=5" in cell for cell in cells) == 1
+    limited = next(cell for cell in cells if "limit=5" in cell)
+    assert "| icecache | 60 [" in limited and "(-40 [" in limited and "streaming_llm" not in limited
 
 
 def test_missing_folder_is_one_clear_error(tmp_path, capsys):

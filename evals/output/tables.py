@@ -84,11 +84,15 @@ def misses(run_dir: str | Path) -> str:
 
 def cells(frame: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
     """The frame split by every non-method, non-budget setting (``eval``, ``model``, ``eval.*``, ``seed``...)."""
-    keys = ["eval", "model", "seed", *sorted(c for c in frame if c.startswith("eval.") and frame[c].notna().any())]
+    limit = ["limit"] if "limit" in frame and frame["limit"].notna().any() else []  # limited runs: a cell per limit
+    keys = ["eval", "model", "seed", *limit,
+            *sorted(c for c in frame if c.startswith("eval.") and frame[c].notna().any())]
     keys = [k for k in keys if k in frame and k not in CELL_IGNORED]
     out = []
-    for values, group in frame.groupby([frame[k].astype(str) for k in keys], sort=True):
-        out.append((dict(zip(keys, values)), group))
+    columns = [frame[k].map(lambda v: "" if pd.isna(v) else str(v)) if k == "limit" else frame[k].astype(str)
+               for k in keys]
+    for values, group in frame.groupby(columns, sort=True):
+        out.append(({k: v for k, v in zip(keys, values) if k != "limit" or v}, group))
     return out
 
 
@@ -173,11 +177,13 @@ RECALL_COLUMNS = {"recall_common_mean": "recall (common layers)", "recall_mean":
 COUNT_COLUMNS = ("stat/search_nodes_expanded",)
 
 
-def render(results_dir: str | Path, draws: int = 2000) -> str:
+def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) -> str:
+    """The tables of every complete run under ``results_dir``; ``limited`` adds the finished runs of a ``limit``
+    (the first ``limit`` samples of a suite, ``partial (limit=N)`` in the summary), each in a cell of its limit."""
     frame = collect(results_dir, draws)
     if frame.empty:
         return f"no run directories under {results_dir}"
-    frame = frame[frame["status"] == "complete"]
+    frame = frame[(frame["status"] == "complete") | (limited & frame["status"].str.startswith("partial"))]
     parts = []
     for key, group in cells(frame):
         group = with_labels(group)
@@ -203,11 +209,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results_dir")
     parser.add_argument("--draws", type=int, default=2000, help="bootstrap resamples per interval")
+    parser.add_argument("--limited", action="store_true", help="also tabulate finished runs made with limit=N")
     args = parser.parse_args(argv)
     if not Path(args.results_dir).is_dir():
         print(f"error: {args.results_dir} is not a folder of run directories", file=sys.stderr)
         sys.exit(2)
-    print(render(args.results_dir, args.draws))
+    print(render(args.results_dir, args.draws, args.limited))
 
 
 if __name__ == "__main__":
