@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import claims
 from .tables import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +75,13 @@ def page(root: Path = ROOT, draws: int = 2000) -> str:
              "method, `(difference to full [95% paired interval])`, `*` where that interval excludes 0; each "
              "table names the commits of its rows. Latency is not reported here: replayed prefills and shared "
              "cores make these runs' timings meaningless (docs/benchmarks.md has the latency benchmarks).\n")
-    return "\n".join([intro] + [section_text(s, root, draws) for s in SECTIONS])
+    claims_text = ["## The paper's claims", "",
+                   "Each claim of the IceCache paper these rows can speak to, the paper's numbers (8B/7B models, the "
+                   "16 LongBench tasks, GPUs) and the numbers here (Qwen2.5-Coder-0.5B, the 24 shared LongBench rows, "
+                   "the first GSM8K problems, a CPU): a difference the interval does not resolve says only that this "
+                   "scale cannot tell the two apart. Command: `python -m evals.output.claims`.", "",
+                   claims.render(root, draws)]
+    return "\n".join([intro] + claims_text + [section_text(s, root, draws) for s in SECTIONS])
 
 
 def main(argv=None) -> None:
