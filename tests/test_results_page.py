@@ -14,3 +14,21 @@ def test_a_section_without_rows_says_so(tmp_path):
     section = results_page.Section("Nothing yet", "nowhere", "About it.")
     text = results_page.section_text(section, tmp_path, draws=10)
     assert text.startswith("## Nothing yet") and "No committed rows yet (`reference_results/nowhere`" in text
+
+
+def test_a_rows_section_without_its_file_says_so(tmp_path):
+    section = results_page.Rows("Nothing yet", ("bench/none.json",), "About it.", kind="decode")
+    text = results_page.rows_text(section, tmp_path, draws=10)
+    assert text.startswith("## Nothing yet") and "(`reference_results/bench/none.json` is missing)" in text
+
+
+def test_a_decode_cell_is_read_against_full_at_its_length():
+    from evals.output.row_tables import decode_markdown
+
+    def cell(tt2t, tpot):
+        return {"tt2t_s": tt2t, "tpot_p50_s": tpot, "breakdown": {"select": 0.001, "other": 0.02}}
+    data = {"full": {"4096": cell(2.0, 0.05)}, "icecache": {"4096": cell(3.0, 0.04), "8192": {"error": "x"}},
+            "environment": {}, "summary": {}}
+    row = next(line for line in decode_markdown(data).splitlines() if line.startswith("| icecache | 4k"))
+    assert "| 40.0 | 1.0 |" in row and "| 0.80 | 1.50 |" in row
+    assert "Failed cells: icecache at 8192." in decode_markdown(data)

@@ -17,8 +17,8 @@ long grid can be extended or resumed. ``--ruler-max-new-tokens`` caps RULER's ge
 128 for niah) to save time; the cap is recorded in each row. ``--probe`` adds each row's live attention-mass
 recall and needle share (``diagnostics=recall``'s probe, docs/diagnostics.md) and the table a column of each.
 ``--table FILE ... --ci`` also prints each configuration's ratio to full on the same samples with a 95% paired
-bootstrap interval (:func:`ratio_to_full`); ``--alias [FILE:]OLD=NEW`` renames a configuration (in one file), so
-that files of several seeds pool.
+bootstrap interval; ``--alias [FILE:]OLD=NEW`` renames a configuration (in one file), so that files of several
+seeds pool. These tables are :mod:`evals.output.row_tables`'s, which docs/results.md prints from the committed rows.
 
 ``--recall capture.pt`` prints each configuration's attention-mass recall on captured keys instead
 (offline); ``--live`` also runs each configuration on the capture's own prompt with the probe, side by side.
@@ -39,6 +39,7 @@ import torch
 
 from evals.bench.capture import build_prompt
 from evals.bench.index import model_spec
+from evals.bench.method_options import parse_spec
 from evals.harness import REPO_ROOT, repo_path
 from evals.tasks.passkey import Passkey
 from evals.prefill_cache import Prefill, replay_refusal
@@ -46,7 +47,7 @@ from evals.registry import make_method
 from evals.output.results import row_provenance
 from evals.tasks.ruler import Ruler
 from evals.runner import generate
-from evals.output.pairing import percentile_interval, resample_means
+from evals.output.row_tables import misses, parse_aliases, ratio_to_full, read_rows, table
 from evals.models import load_model, load_tokenizer
 from icecache.kv import KVMethod
 from icecache.kv.recall import RecallProbe, positions_mask
@@ -113,11 +114,12 @@ def grid(budgets, merges=MERGES, page_sizes=(16, 8), sinks=(16, 32), methods=("i
 
 def named_config(spec: str, budget: int) -> Config:
     """A registered method by name, its defaults (``"icecache"``, labelled ``icecache``) or with options
-    (``"topk:n_dense_layers=2"``, labelled ``topk[n_dense_layers=2]``), values read as YAML scalars."""
+    (``"topk:n_dense_layers=2"``, labelled ``topk[n_dense_layers=2]``; :func:`evals.bench.method_options.parse_spec`),
+    values read as YAML scalars."""
     import yaml
 
-    name, _, rest = spec.partition(":")
-    options = tuple(sorted((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in rest.split(",") if kv)))
+    name, raw = parse_spec(spec)
+    options = tuple(sorted((k, yaml.safe_load(v)) for k, v in raw.items()))
     label = name + (f"[{','.join(f'{k}={v}' for k, v in options)}]" if options else "")
     return Config(label, name, budget, options)
 
@@ -208,93 +210,6 @@ def run(args) -> Path:
         print(f"{label} {sample.id}: done", flush=True)
     print(table(out).to_string())
     return out
-
-
-def parse_aliases(specs: list[str]) -> list[tuple[str, str, str]]:
-    """``[FILE:]OLD=NEW`` -> ``(file name or "", old label, new label)`` (:func:`read_rows`)."""
-    out = []
-    for spec in specs:
-        label, sep, new = spec.rpartition("=")
-        file, colon, old = label.partition(":")
-        if not (colon and file.endswith(".jsonl")):  # no FILE: part
-            file, old = "", label
-        if not sep or not old or not new:
-            raise SystemExit(f"--alias {spec!r}: expected [FILE:]OLD=NEW")
-        out.append((file, old, new))
-    return out
-
-
-def read_rows(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
-    """The rows of several ``--out`` files (runs of one grid split over processes, or of several seeds), a row
-    measured twice counted once. ``aliases`` ``(file, old, new)`` rename a configuration in the files whose name
-    is ``file`` (every file when ``""``), so that one configuration labelled differently in two files pools, or
-    two configurations that share a label in two files (``icecache[default]`` before and after a default
-    changed) stay apart."""
-    frames = []
-    for path in map(Path, paths):
-        frame = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
-        frame["config"] = frame["config"].replace({old: new for file, old, new in aliases if file in ("", path.name)})
-        frames.append(frame)
-    rows = pd.concat(frames, ignore_index=True)
-    rows = rows.drop_duplicates(subset=["config", "budget", "suite", "id"])
-    rows["suite_name"] = rows["suite"].str.split("/").str[0]
-    rows["budget"] = rows["budget"].fillna(0).astype(int)
-    return rows
-
-
-def ratio_to_full(rows: pd.DataFrame, draws: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """Per suite, configuration and budget: the score (mean over tasks of each task's mean, 0-100) on the samples
-    that full also answered, full's score on the same samples, their ratio, and its 95% paired bootstrap interval
-    (``draws`` resamples of the samples within each task, the same draw for both: the spread a sample of this size
-    leaves on the ratio). The resampling and the percentile interval are the summary's
-    (:func:`evals.output.pairing.resample_means`, :func:`evals.output.pairing.percentile_interval`); one generator seeded
-    ``seed`` serves every cell in turn."""
-    rng = np.random.default_rng(seed)
-    full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"]
-    out = []
-    for (suite, config, budget), cell in rows[rows["config"] != "full"].groupby(["suite_name", "config", "budget"]):
-        cell = cell[cell.set_index(["suite", "id"]).index.isin(full.index)]
-        pairs = [np.stack([g["score"].to_numpy(float), full.loc[list(zip(g["suite"], g["id"]))].to_numpy(float)], 1)
-                 for _, g in cell.groupby("task")]  # per task: [n, 2] (config, full)
-        if not pairs:
-            continue
-        score, ref = np.mean([p.mean(0) for p in pairs], axis=0) * 100
-        boot = np.mean(resample_means(pairs, draws, rng), axis=0)  # [draws, 2]
-        ratios = boot[:, 0] / np.maximum(boot[:, 1], 1e-12)
-        low, high = percentile_interval(ratios)
-        out.append({"suite": suite, "config": config, "budget": budget, "n": len(cell), "score": score,
-                    "full": ref, "ratio": score / ref if ref else float("nan"), "ci_low": low, "ci_high": high})
-    return pd.DataFrame(out).set_index(["suite", "config", "budget"]).round(3)
-
-
-def table(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
-    """Accuracy (0-100) per configuration and budget: passkey, RULER niah (mean over tasks), and the most past
-    tokens per head any budgeted layer attended on average over a step (:func:`read_rows`)."""
-    rows = read_rows(*paths, aliases=aliases)
-    per_task = rows.groupby(["config", "budget", "suite_name", "task"])["score"].mean().mul(100).reset_index()
-    acc = per_task.groupby(["config", "budget", "suite_name"])["score"].mean().unstack("suite_name")
-    acc["n"] = rows.groupby(["config", "budget"]).size()
-    acc["max_attended"] = rows.groupby(["config", "budget"])["max_attended_per_head"].max()
-    acc = acc.round(1)
-    for name in ("recall_mean", "needle_share_mean"):  # rows measured with --probe (per suite)
-        if name in rows and rows[name].notna().any():
-            means = rows.groupby(["config", "budget", "suite_name"])[name].mean().unstack("suite_name")
-            acc = acc.join(means.rename(columns=lambda suite: f"{suite}_{name.removesuffix('_mean')}").round(3))
-    return acc.sort_index(level=["budget", "config"])
-
-
-def misses(*paths: Path, aliases: list[tuple[str, str, str]] = ()) -> pd.DataFrame:
-    """Every row scored below the full cache on the same sample (``full``: full's score), with its prediction and
-    the commit that measured it, sorted by budget and configuration (``--misses``)."""
-    rows = read_rows(*paths, aliases=aliases)
-    full = rows[rows["config"] == "full"].set_index(["suite", "id"])["score"].rename("full")
-    missed = rows[rows["config"] != "full"].join(full, on=["suite", "id"])
-    missed = missed[missed["score"] < missed["full"]].copy()
-    missed["prediction"] = missed["prediction"].map(lambda text: repr(text[:24]))
-    columns = ["budget", "config", "suite", "id", "score", "full", "prediction", *(["commit"] if "commit" in rows else [])]
-    if "commit" in rows:
-        missed["commit"] = missed["commit"].str[:10]
-    return missed[columns].sort_values(["budget", "config", "suite", "id"]).reset_index(drop=True)
 
 
 def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:

@@ -1,12 +1,14 @@
 """The results page, generated from the committed rows: ``python -m evals.output.results_page`` writes
 ``docs/results.md``; ``--check`` only compares and exits 1 when the page differs from what the rows give.
 
-Each section is one folder of committed run directories under ``reference_results/`` (:data:`SECTIONS`); its
-tables are :func:`evals.output.tables.render` of that folder (scores with 95% bootstrap intervals, paired
-differences to the full cache, misses, agreement with the full cache's output), headed by the command that
-prints them, the commits the rows were made at and the machine (CPU and its family/model, dtype, threads,
-torch) read from each run's ``timing.json``. A test regenerates the page and fails when the docs differ, so a
-number on the page is always what the committed rows give.
+The first section sets the paper's claims beside the rows (:mod:`evals.output.claims`). Every other section is
+either one folder of committed run directories under ``reference_results/`` (:class:`Section`), whose tables are
+:func:`evals.output.tables.render` of that folder (scores with 95% bootstrap intervals, paired differences to the
+full cache, misses, agreement with the full cache's output), or committed benchmark rows (:class:`Rows`):
+ablation-format JSON lines, a decode-benchmark or a search-bound JSON, printed by :mod:`evals.output.row_tables`.
+Each is headed by what was run, the command that prints its table, the commits the rows were made at and the
+machine, read from the rows (a run's ``timing.json``, a benchmark file's ``environment``). A test regenerates the
+page and fails when the docs differ, so a number on the page is always what the committed rows give.
 """
 from __future__ import annotations
 
@@ -17,11 +19,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import claims
+from .row_tables import ablation_markdown, decode_markdown, parse_aliases, read_rows, search_bound_markdown
 from .tables import render
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results.md"
 REFERENCE = "reference_results"
+LONGCTX = ("`PF` the prefill directory (0.8 GB per 32k prompt), "
+           "`M=\"model=qwen2.5-coder-0.5b prefill_cache=$PF results_dir=results/longctx\"`, `OTHERS=icecache_reuse,"
+           "icecache_reuse_rerank,pqcache,omnikv,magicpig,magicpig_calibrated,quest,arkvale,streaming_llm`; the run "
+           "directories are copied with `python -m evals.output.archive results/longctx reference_results/longctx`. "
+           "Qwen2.5-Coder-0.5B-Instruct installs with `make model-qwen2.5-coder`. Each prompt is prefilled once with "
+           "exact attention and replayed into every configuration (`prefill_cache`, docs/sweeps.md); H2O and SnapKV "
+           "compute statistics during the prefill and cannot replay one, so they are not here. "
+           "`topk[n_dense_layers=2]` is the exact top-k with IceCache's two dense layers; "
+           "`icecache[min_fov=1000000, prop_to_retrieve=1]` is IceCache with every key scored (docs/fidelity.md, "
+           "\"Bounds\").")
+SMOLLM2 = ("SmolLM2-135M-Instruct; every prompt prefilled once and replayed into each configuration "
+           "(`evals.bench.ablation`, docs/benchmarks.md). Columns: accuracy in % per task and its mean over the "
+           "tasks, samples, the most past tokens attended per head in a budgeted layer (mean over a step), and the "
+           "ratio to full on the same samples with its 95% paired bootstrap interval.")
+ORIGINAL_LABELS = ("`icecache[interleaved,page=16,sink=32,prop_to_retrieve=1.0]` and `icecache_tuned` label "
+                   "`icecache_tuned`'s configuration at 256 when the rows were made (16-token pages, 32 sink tokens, "
+                   "every child of an expanded node scored); `icecache_tuned[prop_to_retrieve=0.8]` is the same with "
+                   "the official share of children scored.")
+RULER_TASKS = ("niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 "
+               "niah_multivalue niah_multiquery vt cwe fwe qa_1")
+
+
+def bash(*lines: str) -> str:
+    return "\n\n```bash\n" + "\n".join(lines) + "\n```"
 
 
 @dataclass(frozen=True)
@@ -32,6 +59,17 @@ class Section:
     limited: bool = False  # tabulate runs made with limit=N (evals.output.tables --limited)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A section printed from benchmark rows under reference_results/ (:mod:`evals.output.row_tables`)."""
+    title: str
+    files: tuple[str, ...]  # under reference_results/
+    about: str
+    kind: str = "ablation"  # ablation (JSON lines) | decode | search_bound (one JSON each)
+    aliases: tuple[str, ...] = ()  # evals.bench.ablation --alias [FILE:]OLD=NEW
+    misses: bool = False  # list the samples each configuration scored below full
+
+
 SECTIONS = (
     Section("LongBench (Qwen2.5-Coder-0.5B-Instruct, the 24 shared rows)", "paper/longbench",
             "Every prompt prefilled once with exact attention and replayed into each method "
@@ -40,9 +78,90 @@ SECTIONS = (
             "PQCache's protocol (10-shot CoT file, 256 new tokens); the problems are the first `limit` of "
             "`gsm8k/test.jsonl` in file order, fixed before any run; budget 0.1 = 10% of each prompt.", limited=True),
     Section("Passkey at 8k-32k tokens (Qwen2.5-Coder-0.5B-Instruct)", "longctx/passkey",
-            "Each prompt prefilled once and replayed into every configuration; commands in docs/longcontext.md."),
+            "Every method that can replay a prefill, IceCache's prompt layout: 10 depths at 8k (seeds 0 and 1) and "
+            "16k, 5 at 32k; ArkVale's 32-token pages need a budget of 256. The 16k runs carry the live attention-mass "
+            "probe (`diagnostics=recall`, docs/diagnostics.md), and so does PQCache at 32k and budget 1024. Runs, "
+            "with " + LONGCTX + bash(
+                "P='eval=passkey seed=0 eval.depths=10'",
+                "python run.py -m $M $P 'eval.lengths=[16384]' diagnostics=recall \\",
+                "    cache=full,icecache,icecache_tuned,$OTHERS budget=64,128,256",
+                "python run.py -m $M eval=passkey seed=0 eval.depths=5 'eval.lengths=[32000]' \\",
+                "    cache=full,icecache,icecache_tuned,$OTHERS budget=64,128,256,1024",
+                "python run.py -m $M $P 'eval.lengths=[8192]' \\",
+                "    cache=full,icecache,icecache_tuned,topk,$OTHERS budget=64,128,256   # and seed=1 without topk",
+                "# at 16k and 32k also cache=topk cache.n_dense_layers=2, and at budget 64",
+                "# cache=icecache cache.min_fov=1000000 cache.prop_to_retrieve=1.0")),
     Section("RULER needle-in-a-haystack at 16k and 32k tokens (Qwen2.5-Coder-0.5B-Instruct)", "longctx/ruler",
-            "Four samples per task at 16k, two at 32k; commands in docs/longcontext.md."),
+            "Five niah tasks at the official generation lengths: four samples per task at 16k, two at 32k. These "
+            "runs have no live probe (no `recall.json`); the next section has the probed runs at 16k. Runs, with "
+            + LONGCTX + bash(
+                "T='eval.tasks=[niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue]'",
+                "python run.py -m $M eval=ruler seed=0 \"$T\" 'eval.lengths=[16384]' eval.num_samples=4 \\",
+                "    cache=full,icecache,icecache_tuned,$OTHERS budget=256   # 64, 128: cache=icecache,icecache_tuned",
+                "python run.py -m $M eval=ruler seed=0 \"$T\" 'eval.lengths=[32000]' eval.num_samples=2 \\",
+                "    cache=full,icecache,icecache_tuned,$OTHERS budget=256   # 64, 128, 1024: the same two") +
+            "\n\nAt 16k the exact top-k also ran at 64 (`cache=topk`) and IceCache with every key scored at 256; "
+            "the top-k with IceCache's dense layers (`cache=topk cache.n_dense_layers=2`) ran at 256 at both lengths."),
+    Section("RULER niah at 16k with the live probe (Qwen2.5-Coder-0.5B-Instruct)", "longctx/ruler_recall",
+            "The 16k RULER command of the previous section with `diagnostics=recall` and "
+            "`results_dir=results/longctx_recall`, at budget 256, for full, `icecache`, `icecache_tuned`, `quest` "
+            "and `topk[n_dense_layers=2]`: every prediction equals that of the same configuration without the probe."),
+    Rows("Official IceCache beside the variants: passkey at 2k-4k tokens (SmolLM2)",
+         ("official/passkey_smollm2_s67.jsonl",),
+         "2k + 4k tokens x 10 depths x seeds 6 and 7 (40 samples per cell), IceCache's prompt layout; seeds the "
+         "variants' settings were not chosen on. " + SMOLLM2 + " `topk` budgets every layer; "
+         "`topk[n_dense_layers=2]` keeps IceCache's two dense layers (the like-for-like bound). Rows (`--page-sizes 7` "
+         "leaves the configuration grid empty, so only the named configurations run):" + bash(
+             "python -m evals.bench.ablation --suites passkey --budgets 64 128 256 --page-sizes 7 --seeds 6 7 \\",
+             "    --baselines icecache icecache_tuned icecache_reuse icecache_reuse_rerank topk:n_dense_layers=2 \\",
+             "    --out reference_results/official/passkey_smollm2_s67.jsonl"), misses=True),
+    Rows("Official IceCache beside the variants: RULER niah at 4k tokens, budget 64 (SmolLM2)",
+         ("official/niah4k_b64_smollm2_s3.jsonl",),
+         "Five niah tasks x 8 samples, seed 3, generation capped at 48 tokens (every niah answer fits). " + SMOLLM2 +
+         " Rows:" + bash(
+             "python -m evals.bench.ablation --suites ruler --budgets 64 --page-sizes 7 --seeds 3 --ruler-samples 8 \\",
+             "    --ruler-max-new-tokens 48 --baselines icecache icecache_tuned icecache_reuse \\",
+             "    icecache_reuse_rerank topk:n_dense_layers=2 \\",
+             "    --out reference_results/official/niah4k_b64_smollm2_s3.jsonl"),
+         misses=True),
+    Rows("RULER, all 12 tasks at 4k tokens, budget 256 (SmolLM2)",
+         ("ablation/ruler256_16.jsonl", "ablation/ruler256_seed1.jsonl", "ablation/ruler256_seed2.jsonl"),
+         "Seeds 0 (16 samples per task), 1 (4) and 2 (8, with the exact top-k oracle and the live probe: its "
+         "columns are seed 2's) pooled; official generation lengths; qa_2 has no data. " + SMOLLM2 + " Each "
+         "configuration's ratio is over the samples it ran. " + ORIGINAL_LABELS + " Seed 2's rows:" + bash(
+             "python -m evals.bench.ablation --suites ruler --budgets 256 --merges interleaved --page-sizes 16 \\",
+             "    --sinks 32 --props 1.0 --baselines icecache_tuned --only full icecache_tuned topk \\",
+             f"    --ruler-samples 8 --seeds 2 --probe --ruler-tasks {RULER_TASKS} \\",
+             "    --out reference_results/ablation/ruler256_seed2.jsonl"),
+         aliases=("icecache[interleaved,page=16,sink=32,prop_to_retrieve=1.0]=icecache_tuned",)),
+    Rows("Page layouts at budget 256: RULER at 4k tokens, seed 0 (SmolLM2)",
+         ("ablation/ruler256_16.jsonl", "ablation/ruler256_alt.jsonl", "ablation/ruler256_p8.jsonl"),
+         "The configuration labels read "
+         "`icecache[<GQA merge>,page=<page size>,sink=<sink tokens>,prop_to_retrieve=1.0]`; 16 samples per task. "
+         "The rows with only fwe and qa_1 filled ran those two tasks (their mean and ratio are over those two). "
+         + SMOLLM2 + " " + ORIGINAL_LABELS),
+    Rows("Decode benchmark: SmolLM2 on a CPU, 4k-32k tokens", ("bench/decode_smollm2_cpu_f6m167.json",),
+         "Budget 256, 64 new tokens with EOS ignored, a fresh process per cell with one untimed warm-up generation, "
+         "Paul Graham essays cut to each length as the prompt, three repeats per cell (medians); full and IceCache "
+         "also at 4k. Columns: docs/benchmarks.md, \"Columns\" and \"Floor\". Rows:" + bash(
+             "python -m evals.bench.decode --methods full icecache icecache_tuned pqcache arkvale quest omnikv \\",
+             "    magicpig --lengths 8192 16384 32768 --repeats 3 --budget 256 --new-tokens 64 --threads 2 \\",
+             "    --data-dir \"$ICECACHE_DATA_DIR\" --out decode.json",
+             "python -m evals.bench.decode --resume --methods full icecache --lengths 4096 [same options]",
+             "python -m evals.output.latency_figure reference_results/bench/decode_smollm2_cpu_f6m167.json \\",
+             "    -o docs/figures/tpot_vs_context_f6m167.png --floors icecache arkvale   # the figure") +
+         "\n\n![TPOT vs context](figures/tpot_vs_context_f6m167.png)", kind="decode"),
+    Rows("What bounds IceCache's select: the search against a scan of the keys it scores (SmolLM2)",
+         ("bench/search_bound_smollm2_cpu_f6m167_142afe2.json",),
+         "Per capture, every budgeted layer's index built as IceCache builds it; the official search (`K` = 12 pages "
+         "at budget 256) against a plain pass over as many stored keys as it scored (docs/benchmarks.md, "
+         "\"Search bound\"); medians of 5 rounds, ms per layer and decode step. Rows:" + bash(
+             "python -m evals.bench.capture --out keys16k.pt --tokens 16000 --steps 2 \\",
+             "    --data-dir \"$ICECACHE_DATA_DIR\"",
+             "# likewise keys4k.pt (--tokens 4000 --steps 4), keys8k.pt (8000, 4) and keys32k.pt (32000, 4)",
+             "python -m evals.bench.search_bound --keys keys4k.pt keys8k.pt keys16k.pt keys32k.pt \\",
+             "    --steps 8 --rounds 5"),
+         kind="search_bound"),
 )
 
 
@@ -51,11 +170,14 @@ def machines(folder: Path) -> list[str]:
     torch, as each run's ``timing.json`` records them."""
     found = set()
     for timing in sorted(folder.rglob("timing.json")):
-        env = json.loads(timing.read_text()).get("environment", {})
-        chip = env.get("gpu") or " ".join(filter(None, (env.get("cpu_model"), env.get("cpu_signature"))))
-        found.add(f"{chip or 'unknown'}, {env.get('dtype', '?')}, {env.get('threads', '?')} threads, "
-                  f"torch {env.get('torch', '?')}")
+        found.add(machine(json.loads(timing.read_text()).get("environment", {})))
     return sorted(found)
+
+
+def machine(env: dict) -> str:
+    chip = env.get("gpu") or " ".join(filter(None, (env.get("cpu_model"), env.get("cpu_signature"))))
+    return (f"{chip or 'unknown'}, {env.get('dtype', '?')}, {env.get('threads', '?')} threads, "
+            f"torch {env.get('torch', '?')}")
 
 
 def section_text(section: Section, root: Path, draws: int) -> str:
@@ -69,19 +191,54 @@ def section_text(section: Section, root: Path, draws: int) -> str:
     return "\n".join(head) + render(folder, draws, section.limited).rstrip() + "\n"
 
 
+def rows_text(section: Rows, root: Path, draws: int) -> str:
+    paths = [root / REFERENCE / f for f in section.files]
+    names = " ".join(f"{REFERENCE}/{f}" for f in section.files)
+    head = [f"## {section.title}", "", section.about, ""]
+    if missing := [p for p in paths if not p.is_file()]:
+        return "\n".join(head + [f"No committed rows yet (`{missing[0].relative_to(root)}` is missing).", ""])
+    if section.kind == "ablation":
+        aliases = parse_aliases(list(section.aliases))
+        rows = read_rows(*paths, aliases=aliases)
+        commits = sorted({str(c)[:7] for c in rows.get("commit", []) if isinstance(c, str)})
+        flags = (" --ci" + (" --misses" if section.misses else "")
+                 + (" --alias " + " ".join(f'"{a}"' for a in section.aliases) if section.aliases else ""))
+        head.append(f"Command: `python -m evals.bench.ablation --table {names}{flags}`; commit: "
+                    f"{', '.join(commits) or 'not recorded in these rows'}.")
+        body = ablation_markdown(paths, aliases, section.misses, draws)
+    else:
+        data = json.loads(paths[0].read_text())
+        env = data.get("environment", data)
+        commit = str(env.get("commit") or "not recorded")[:7]
+        if section.kind == "decode":
+            where = (f"machine: {machine(env)}; model {env.get('model')}, budget {env.get('budget')}, "
+                     f"{env.get('new_tokens')} new tokens")
+            body = decode_markdown(data)
+        else:
+            where = f"machine: {env.get('cpu')}, {env.get('threads')} threads; budget {env.get('budget')}"
+            body = search_bound_markdown(data)
+        head.append(f"Rows: `{names}`; commit {commit}; {where}.")
+    return "\n".join(head + ["", body.rstrip(), ""])
+
+
 def page(root: Path = ROOT, draws: int = 2000) -> str:
-    intro = ("# Results\n\nGenerated by `python -m evals.output.results_page` from the committed run directories "
-             f"under `{REFERENCE}/`; do not edit by hand. Entries are `score [95% bootstrap interval]` and, for a "
-             "method, `(difference to full [95% paired interval])`, `*` where that interval excludes 0; each "
-             "table names the commits of its rows. Latency is not reported here: replayed prefills and shared "
-             "cores make these runs' timings meaningless (docs/benchmarks.md has the latency benchmarks).\n")
+    intro = ("# Results\n\nGenerated by `python -m evals.output.results_page` from the committed rows under "
+             f"`{REFERENCE}/` (`{REFERENCE}/README.md` lists which file feeds which section); do not edit by hand. "
+             "In the tables of run directories, entries are `score [95% bootstrap interval]` and, for a method, "
+             "`(difference to full [95% paired interval])`, `*` where that interval excludes 0; each table names the "
+             "commits of its rows. The accuracy sections report no latency: replayed prefills and shared cores make "
+             "their timings meaningless; the last two sections are latency benchmarks (docs/benchmarks.md says how "
+             "each benchmark runs and what its columns mean). What the tables say about each method against its "
+             "paper: docs/fidelity.md.\n\nSections:\n\n- The paper's claims\n"
+             + "\n".join(f"- {s.title}" for s in SECTIONS) + "\n")
     claims_text = ["## The paper's claims", "",
                    "Each claim of the IceCache paper these rows can speak to, the paper's numbers (8B/7B models, the "
                    "16 LongBench tasks, GPUs) and the numbers here (Qwen2.5-Coder-0.5B, the 24 shared LongBench rows, "
                    "the first GSM8K problems, a CPU): a difference the interval does not resolve says only that this "
                    "scale cannot tell the two apart. Command: `python -m evals.output.claims`.", "",
                    claims.render(root, draws)]
-    return "\n".join([intro] + claims_text + [section_text(s, root, draws) for s in SECTIONS])
+    return "\n".join([intro] + claims_text + [section_text(s, root, draws) if isinstance(s, Section)
+                                               else rows_text(s, root, draws) for s in SECTIONS])
 
 
 def main(argv=None) -> None:
