@@ -212,8 +212,7 @@ class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
     :class:`IceCacheReuse`: every deviation of :class:`~icecache.tuned.IceCacheTuned` (``page_size`` 8 below 256
     tokens, ``prop_to_retrieve=1``, ``candidate_rule="scored"``, ``short_prompt="offload"``,
     ``prefill_pipeline="overlap"``, ``projection="seeded"``), plus two of its own (the scores behind them:
-    docs/benchmarks.md, "Why IceCache(reuse) loses pass keys at 64 tokens" and "IceCache(reuse) with candidates
-    of its own"):
+    docs/fidelity.md, "Why the variants' settings", and the tables of docs/results.md):
 
     - ``rerank``: 3, each reusing layer re-ranks ``3 K`` of the anchor's candidates by its own exact softmax mass
       instead of copying the anchor's pages.

@@ -11,8 +11,8 @@ from icecache.method import IceCache
 @dataclass
 class IceCacheTuned(IceCache):
     """IceCache with this project's small-budget choices (``cache=icecache_tuned``), a registered variant of
-    :class:`IceCache`. The fields it changes (:attr:`deviations`); the scores behind each are in
-    docs/benchmarks.md, "IceCache at small budgets":
+    :class:`IceCache`. The fields it changes (:attr:`deviations`); the scores behind each: docs/fidelity.md, "Why
+    the variants' settings", and the tables of docs/results.md:
 
     - ``page_size``: 8 below 256 tokens (64 = 2 sink + 4 retrieved + 2 window pages of 8; 128 = 2 + 12 + 2),
       the official 16 from 256 on: with one retrieved page of 16 a needle written one token per digit straddles

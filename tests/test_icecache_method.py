@@ -527,7 +527,7 @@ def test_smollm2_passkey_budget_64_matches_full(tmp_path):
 def test_smollm2_passkey_budget_64_finds_every_key_full_finds():
     """Guard on the tuned variant's small-budget choices: 2 lengths x 2 depths x 2 seeds (not the seeds it was
     chosen on) at budget 64; ``icecache_tuned`` must answer every pass key the full cache answers (the official
-    configuration's one retrieved 16-token page misses some: docs/official.md). Each prompt is prefilled once
+    configuration's one retrieved 16-token page misses some: docs/results.md). Each prompt is prefilled once
     and replayed into both caches (evals.prefill_cache.Prefill; tests/test_prefill_cache.py checks replay = live)."""
     _smollm2_or_skip()
     from evals.prefill_cache import Prefill

@@ -198,7 +198,7 @@ def test_icecache_with_every_key_scored_and_ranked_selects_the_oracles_pages():
 
 
 def test_under_the_official_candidate_rule_the_exhaustive_search_misses_pages_for_a_known_reason():
-    """``min_fov`` past every node and ``prop_to_retrieve=1`` (docs/longcontext.md's exhaustive configuration)
+    """``min_fov`` past every node and ``prop_to_retrieve=1`` (the exhaustive runs of docs/results.md)
     with the official candidate rule (``add_to_list``): every key is scored, but at level 0 only the ``K`` best
     children of each expanded level-1 node rank their pages. Every page it reports has its exact score, and each
     page of the oracle's list it lacks is one none of whose keys is among its level-1 node's ``K`` best children

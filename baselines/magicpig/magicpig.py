@@ -14,7 +14,7 @@ Budget mapping: docs/architecture.md.
   GPU's prefill of the next layers; here it runs on the background worker (awaited at the layer's first
   decode) when the prefill leaves cores idle (a GPU model, or more cores than torch's threads), else inline
   at the end of the layer's prefill (``background_build``): on a CPU whose cores all run the prefill a
-  second thread only competes with it (docs/benchmarks.md, "Decode benchmark", TT2T at 8k).
+  second thread only competes with it (docs/benchmarks.md, "Threads and OpenMP waiting").
 * Decode: the query of each *query* head is hashed with its KV head's tables; candidates ``S_h`` =
   keys colliding in at least ``min_collisions`` of the ``L`` tables. With ``p_j = (1 - theta_j/pi)^K``
   (``theta_j`` = angle between ``q_h`` and the centred key), the inclusion probability is

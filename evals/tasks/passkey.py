@@ -31,7 +31,7 @@ Where the final question goes (``question_via_decode``):
   index 0, the BOS of its Llama/Mistral tokenizers; here it is dropped only when it is the BOS) is decoded
   token by token: the end of the haystack goes through the decode path as well as the question.
   Feeding the question through the decode path makes the task far harsher at small budgets while the full
-  cache is unaffected (docs/benchmarks.md, "Passkey: every method").
+  cache is unaffected (README.md, "Choices made where the papers or official code are silent").
 
 Pass key (``key_rng``): ``per_sample`` = ``random.Random(seed + 1000 * length_idx + depth_idx).randint(1, 50000)``;
 ``icecache`` = IceCache's ``numpy.random.randint(1, 50000)`` after ``seed_everything(seed)``, drawn in order
