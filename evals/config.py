@@ -320,11 +320,18 @@ def _typed_like(key: str, value, default, shape: tuple[str, str | None] | None =
     return value
 
 
-def _group(group: str, options: dict) -> dict:
+def _group(group: str, options: dict, prefix: str | None = None) -> dict:
     name = options.get("name")
     known = defaults(group, name) if isinstance(name, str) else {}
     kinds = shapes(group, name) if isinstance(name, str) else {}
-    return {k: _typed_like(f"{group}.{k}", v, known.get(k), kinds.get(k)) for k, v in options.items()}
+    prefix = f"{group}." if prefix is None else prefix
+    return {k: _typed_like(f"{prefix}{k}", v, known.get(k), kinds.get(k)) for k, v in options.items()}
+
+
+def check_method_options(name: str, options: dict, prefix: str = "cache.") -> dict:
+    """``options`` of method ``name`` checked as ``cache.<key>=...`` is in a run (:func:`_typed_like`), outside a
+    run config (the benchmarks' ``name:key=value`` options); errors name each key as ``<prefix><key>``."""
+    return {k: v for k, v in _group("cache", {"name": name, **options}, prefix).items() if k != "name"}
 
 
 def check_config(cfg: dict) -> dict:

@@ -2,6 +2,16 @@
 side, its growth with the context, and ratios to the full cache. ``python -m evals.bench.decode
 [--methods ...] [--lengths ...]`` (defaults: all registered methods, 2k..32k tokens, budget 256).
 
+Configurations (:mod:`evals.bench.method_options`): ``--methods`` takes ``name:key=value,...`` (values typed as the
+dataclass field); each method runs at ``--suite``'s official setting (``conf/suite_cache/<suite>_<name>.yaml``,
+LongBench by default; ``--suite none``: the class defaults) with the command line's options on top, its rows keyed
+by its label (the name, plus the command line's options in brackets). ``--equal-dense N`` adds a row set in which
+every budgeted method keeps its first ``N`` layers dense (labels ``<name>[dense=N]``; a method already on those
+terms serves with its default row; OmniKV, and for ``N > 0`` the methods without a dense-layer option, cannot be
+put on them and are listed with why). ``configurations`` records per label the options, which came from the
+suite file (with their official sources) and which from the command line, the row sets and each set's TPOT /
+full by length, also printed side by side at the end.
+
 For each (method, length): TT2T, TTFT, TPOT over tokens 3..N (``tpot_s`` the mean, as in every
 ``timing.json``; ``tpot_p50_s`` the median, which the printed table and the summary use because one
 stalled step on a shared machine moves the mean; :func:`evals.output.timing.tpot_stats`) and the TPOT breakdown
@@ -71,9 +81,10 @@ from pathlib import Path
 import torch
 
 from evals.bench import floor
+from evals.bench.method_options import Cell, configure, print_row_sets, resume_conflicts, tpot_over_full
 from evals.harness import REPO_ROOT
 from evals.tasks.latency import FILLER, Latency
-from evals.registry import METHODS, make_method
+from evals.registry import METHODS, SUITES, make_method
 from evals.output.results import git_state, row_provenance
 from evals.runner import generate
 from evals.output.timing import environment, omp_wait_record, tpot_stats
@@ -87,6 +98,7 @@ JIT_METHODS = ("icecache", "icecache_tuned", "icecache_reuse", "icecache_reuse_r
                "magicpig_calibrated")  # numba kernels (icecache/dci, icecache/resident.py, magicpig buckets)
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
 BREAKDOWN = (*PHASES, "other")
+NOT_CELLS = ("environment", "summary", "configurations")  # the keys of bench_decode.json that are not cells
 OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin; what each rule puts in a cell's environment
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle threads sleep at once
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}  # idle threads never sleep
@@ -97,20 +109,26 @@ def llama_8b_random(device: str):
     return load_model("llama-8b-random", dtype="bfloat16", device=device)
 
 
-def measure(model, tokenizer, method: str, budget: int, prompt_ids: list[int], new_tokens: int,
+def as_cell(method: str | Cell) -> Cell:
+    """A :class:`~evals.bench.method_options.Cell`; a bare name is its method at the class defaults."""
+    return method if isinstance(method, Cell) else Cell(method, method)
+
+
+def measure(model, tokenizer, method: str | Cell, budget: int, prompt_ids: list[int], new_tokens: int,
             profile: bool = False) -> dict:
     """One timed generation of ``method``: its timings, what its floor needs (:func:`evals.bench.floor.floor_inputs`),
     its KV memory by place (``device_kv_bytes``, of which
     ``transit_bytes``, ``host_kv_bytes``, ``index_bytes``: :meth:`icecache.kv.KVCache.memory_bytes`, the same on a CPU
     and a GPU), and the commit and resolved configuration it ran."""
-    built = make_method(method, budget=None if method == "full" else budget)
+    cell = as_cell(method)
+    built = cell.build(budget)
     gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile)
     n = len(gen.intervals_s)
     measured = floor.floor_inputs(model, built, budget)  # after the timed generation, never inside it
     return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
-            "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, method), **measured}
+            "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, cell.method), **measured}
 
 
 def default_methods() -> list[str]:
@@ -121,7 +139,13 @@ def default_methods() -> list[str]:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=default_methods())
+    parser.add_argument("--methods", nargs="+", default=default_methods(), metavar="METHOD[:KEY=VALUE,...]",
+                        help="methods, each with options of its own (arkvale:page_topks=16,n_sink_pages=2)")
+    parser.add_argument("--suite", default="longbench", choices=[*SUITES, "none"],
+                        help="run each method at this suite's official setting (conf/suite_cache/<suite>_<method>"
+                             ".yaml) under the command line's options; none: the class defaults")
+    parser.add_argument("--equal-dense", nargs="+", type=int, default=[], metavar="N",
+                        help="add a row set per N in which every budgeted method keeps its first N layers dense")
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -142,7 +166,8 @@ def parse_args(argv):
                         help="measure every cell this many times, in rounds; report the medians")
     parser.add_argument("--omp-wait", choices=tuple(OMP_WAIT), default="spin",
                         help="how idle OpenMP threads wait in each cell (module docstring)")
-    parser.add_argument("--cell", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--cell", nargs=2, metavar=("LABEL", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--cell-config", default=None, help=argparse.SUPPRESS)  # Cell.to_json of --cell's label
     return parser.parse_args(argv)
 
 
@@ -175,22 +200,22 @@ def prompt_text(args) -> str:
 WARMUP_NEW_TOKENS = 8
 
 
-def warm_cell(model, tokenizer, method: str, budget: int, prompt_ids: list[int]) -> int:
+def warm_cell(model, tokenizer, method: str | Cell, budget: int, prompt_ids: list[int]) -> int:
     """One untimed generation of :data:`WARMUP_NEW_TOKENS` tokens with ``method`` on the prompt's first ``4 x
     budget`` tokens (past every method's compression point), in the cell's process before its timed one, so the
     timed TT2T leaves out what only a process's first request pays (kernels loaded from numba's disk cache,
     oneDNN primitives created, the lazy imports of the method's modules), as a server that has answered one
     request. Every method gets the same warm-up. Returns the warm-up's prompt length (recorded per cell)."""
     warm_ids = prompt_ids[:min(len(prompt_ids), 4 * budget)]
-    generate(model, tokenizer, make_method(method, budget=None if method == "full" else budget), warm_ids,
-             WARMUP_NEW_TOKENS, ignore_eos=True)
+    generate(model, tokenizer, as_cell(method).build(budget), warm_ids, WARMUP_NEW_TOKENS, ignore_eos=True)
     return len(warm_ids)
 
 
 def run_cell(args) -> None:
     """Child of ``--isolate``: one (method, length) in this fresh process, after :func:`warm_cell`; prints its
     row as JSON."""
-    method, length = args.cell[0], int(args.cell[1])
+    label, length = args.cell[0], int(args.cell[1])
+    method = Cell.from_json(label, args.cell_config) if args.cell_config else Cell(label, label)
     model, tokenizer = load(args)
     prompt_ids = prompts(tokenizer, args, [length])[length]
     warmup_tokens = warm_cell(model, tokenizer, method, args.budget, prompt_ids)
@@ -202,8 +227,9 @@ def run_cell(args) -> None:
     print(json.dumps(row))
 
 
-def isolated_cell(args, method: str, length: int) -> dict:
-    cmd = [sys.executable, "-m", "evals.bench.decode", "--cell", method, str(length), "--budget", str(args.budget),
+def isolated_cell(args, cell: Cell, length: int) -> dict:
+    cmd = [sys.executable, "-m", "evals.bench.decode", "--cell", cell.label, str(length), "--cell-config",
+           cell.to_json(), "--budget", str(args.budget),
            "--new-tokens", str(args.new_tokens), "--model", args.model, "--device", args.device,
            "--data-dir", args.data_dir, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads
                                                                   else []) + (["--profile"] if args.profile else [])
@@ -215,18 +241,23 @@ def isolated_cell(args, method: str, length: int) -> dict:
 
 
 def previous_results(args) -> dict:
-    """Cells already in ``--out`` when ``--resume`` is given and the settings match, else nothing."""
+    """Cells already in ``--out`` when ``--resume`` is given and the settings match (every label's options too:
+    :func:`~evals.bench.method_options.resume_conflicts`), else nothing."""
     path = Path(args.out)
     if not (args.resume and path.exists()):
         return {}
     old = json.loads(path.read_text())
     old.pop("summary", None)
-    old = {m: {L: r for L, r in rows.items() if "error" not in r} if m != "environment" else rows
+    old = {m: {L: r for L, r in rows.items() if "error" not in r} if m not in NOT_CELLS else rows
            for m, rows in old.items()}  # failed cells are measured again
     env = old.get("environment", {})
     if (env.get("model"), env.get("budget"), env.get("new_tokens")) != (args.model, args.budget, args.new_tokens):
         raise SystemExit(f"--resume: {path} holds model={env.get('model')} budget={env.get('budget')} "
                          f"new_tokens={env.get('new_tokens')}; pass the same settings or another --out")
+    conflicts = resume_conflicts(old, args.configurations)
+    if conflicts:
+        raise SystemExit(f"--resume: in {path} " + "; ".join(conflicts) + "; pass the same --suite and options "
+                         "or another --out")
     return old
 
 
@@ -250,10 +281,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.cell:
         return run_cell(args)
+    cells = configure(args)
     args.prompt_text = prompt_text(args)
-    warm_jit(args.methods, args.budget, args.dtype, args.device)
+    warm_jit(list(dict.fromkeys(c.method for c in cells)), args.budget, args.dtype, args.device)
     results = previous_results(args)
     environment_row = results.pop("environment", {})
+    old_cells = results.pop("configurations", {}).get("cells", {})
+    args.configurations = {**args.configurations, "cells": {**old_cells, **args.configurations["cells"]}}
     model = tokenizer = ids_by_length = None
     if not args.isolate:
         model, tokenizer = load(args)
@@ -261,8 +295,8 @@ def main(argv=None) -> None:
         environment_row = environment(model)
     for rep in range(args.repeats):
         for length in args.lengths:
-            for method in args.methods:
-                cell = results.get(method, {}).get(str(length))
+            for method in cells:
+                cell = results.get(method.label, {}).get(str(length))
                 runs = [] if cell is None else cell.get("runs", [floor.without_floor(cell)])
                 if sum("error" not in r for r in runs) > rep:
                     continue
@@ -272,14 +306,16 @@ def main(argv=None) -> None:
                 else:
                     row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
                                   args.profile)
-                results.setdefault(method, {})[str(length)] = median_row(runs + [row])
+                results.setdefault(method.label, {})[str(length)] = median_row(runs + [row])
                 floor.annotate(results, TPOT)
-                print_cell(method, length, row, results[method][str(length)].get("floor_s"))
+                print_cell(method.label, length, row, results[method.label][str(length)].get("floor_s"))
                 write(args, results, environment_row)
     floor.annotate(results, TPOT)
     print_summary(results, args.growth_from, args.growth_to)
     print_floors(results)
     print_ratios(results)
+    if len(args.configurations["row_sets"]) > 1:
+        print_row_sets(results, args.configurations, TPOT)
     print(f"wrote {args.out}")
 
 
@@ -318,7 +354,7 @@ def print_cell(method: str, length: int, row: dict, floor_s: float | None = None
 def method_rows(results: dict) -> dict:
     """``{method: {length: row}}`` of the measured cells (no summary, environment or failed cells)."""
     return {m: {L: r for L, r in rows.items() if "error" not in r} for m, rows in results.items()
-            if m not in ("environment", "summary")}
+            if m not in NOT_CELLS}
 
 
 def growth(rows: dict, lo: int, hi: int) -> dict | None:
@@ -382,8 +418,9 @@ def write(args, results: dict, environment_row: dict) -> None:
            "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")
-    body = {m: rows for m, rows in results.items() if m not in ("environment", "summary")}  # failed cells too
+    body = {m: rows for m, rows in results.items() if m not in NOT_CELLS}  # failed cells too
     body["summary"] = summary(results, args.growth_from, args.growth_to)
+    body["configurations"] = {**args.configurations, "tpot_over_full": tpot_over_full(results, args.configurations, TPOT)}
     tmp.write_text(json.dumps({**body, "environment": env}, indent=2) + "\n")
     tmp.replace(args.out)
 

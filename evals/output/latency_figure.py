@@ -27,7 +27,7 @@ from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 from .plot_style import FOOTER, dodge_factors, legend_outside, method_color, method_markers, save  # noqa: E402
 
 TPOT = "tpot_p50_s"  # the decode benchmark's TPOT statistic (evals.bench.decode.TPOT)
-NOT_METHODS = ("environment", "summary")
+NOT_METHODS = ("environment", "summary", "configurations")  # the keys that are not cells (evals.bench.decode)
 
 
 def method_cells(bench: dict) -> dict[str, dict[int, dict]]:

@@ -174,8 +174,8 @@ def decode_markdown(data: dict) -> str:
     """One row per method and context length of a decode-benchmark JSON (medians over a cell's repeats, ms per
     output token by phase), then each method's TPOT growth from its shortest to its longest context."""
     cells = {m: {int(n): r for n, r in rows.items() if "error" not in r} for m, rows in data.items()
-             if m not in ("environment", "summary")}
-    failed = [f"{m} at {n}" for m, rows in data.items() if m not in ("environment", "summary")
+             if m not in ("environment", "summary", "configurations")}
+    failed = [f"{m} at {n}" for m, rows in data.items() if m not in ("environment", "summary", "configurations")
               for n, r in rows.items() if "error" in r]
     full = cells.get("full", {})
     header = ["method", "context", "TT2T s", "TPOT ms", *BREAKDOWN, "floor ms", "TPOT / floor", "TPOT / full",
