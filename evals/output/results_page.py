@@ -77,6 +77,24 @@ SECTIONS = (
     Section("GSM8K chain-of-thought (Qwen2.5-Coder-0.5B-Instruct, the first test problems)", "paper/gsm8k",
             "PQCache's protocol (10-shot CoT file, 256 new tokens); the problems are the first `limit` of "
             "`gsm8k/test.jsonl` in file order, fixed before any run; budget 0.1 = 10% of each prompt.", limited=True),
+    Section("The 64-token readings and the two bounds (SmolLM2-135M-Instruct)", "readings",
+            "IceCache's four readings of a 64-token budget (docs/fidelity.md, the table under IceCache) beside the "
+            "page oracle (`page_oracle`: IceCache's pages, the exact best ones) and the exact top-k (`topk` with "
+            "IceCache's two dense layers), at 64, 128 and 256 tokens: IceCache vs `page_oracle` is the search's "
+            "loss, `page_oracle` vs `topk` the page granularity's. Passkey at 2k and 4k tokens, 10 depths, seeds 0 "
+            "and 1; RULER niah at 4k, 4 samples per task. Runs, with `M=\"model=smollm2-135m "
+            "prefill_cache=$PF results_dir=results/readings\"`:" + bash(
+                "P=\"eval=passkey eval.lengths=[2048,4096] eval.depths=10 seed=0\"   # and seed=1",
+                "R=\"eval=ruler eval.lengths=[4096] eval.num_samples=4 seed=0\"",
+                "T='eval.tasks=[niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue]'",
+                "python run.py -m $M $P cache=full budget=256",
+                "python run.py -m $M $P cache=icecache,page_oracle budget=64,128,256",
+                "python run.py -m $M $P cache=topk cache.n_dense_layers=2 budget=64,128,256",
+                "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.budget_layout=fixed "
+                "cache.n_sink_pages=0",
+                "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.page_size=8",
+                "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.budget_layout=retrieved",
+                "# the same six commands with $R \"$T\" in place of $P")),
     Section("Passkey at 8k-32k tokens (Qwen2.5-Coder-0.5B-Instruct)", "longctx/passkey",
             "Every method that can replay a prefill, IceCache's prompt layout: 10 depths at 8k (seeds 0 and 1) and "
             "16k, 5 at 32k; ArkVale's 32-token pages need a budget of 256. The 16k runs carry the live attention-mass "
