@@ -105,7 +105,7 @@ def cell_table(group: pd.DataFrame) -> str:
     """One markdown table: a row per method, a column per budget."""
     budgets = sorted(group["budget"].dropna().unique())
     order = sorted(group["method"].unique(), key=lambda m: (m != "full", m))
-    lines = ["| method | " + " | ".join(f"budget {int(b)}" for b in budgets) + " |",
+    lines = ["| method | " + " | ".join(f"budget {_setting(float(b))}" for b in budgets) + " |",
              "| --- |" + " --- |" * len(budgets)]
     for method in order:
         rows = group[group["method"] == method]
@@ -115,7 +115,7 @@ def cell_table(group: pd.DataFrame) -> str:
             if len(at):
                 entries.append(score_entry(at.iloc[0]))
             elif method == "full" and len(rows):  # the full cache ignores the budget: one run stands for all
-                entries.append(score_entry(rows.iloc[0]) + f" (run at {int(rows.iloc[0]['budget'])})")
+                entries.append(score_entry(rows.iloc[0]) + f" (run at {_setting(float(rows.iloc[0]['budget']))})")
             else:
                 entries.append("")
         lines.append(f"| {method} | " + " | ".join(entries) + " |")
@@ -127,7 +127,7 @@ def miss_list(group: pd.DataFrame) -> str:
     for _, row in group.sort_values(["method", "budget"]).iterrows():
         missed = misses(row["run_dir"])
         if missed:
-            lines.append(f"- {row['method']} at {int(row['budget'])} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
+            lines.append(f"- {row['method']} at {_setting(float(row['budget']))} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
     return "\n".join(lines) or "- none"
 
 
@@ -139,7 +139,7 @@ def stat_table(group: pd.DataFrame, columns: dict[str, str], digits: int = 3) ->
     rows = group[group[list(present)].notna().any(axis=1)].sort_values(["method", "budget"])
     lines = ["| method | budget | " + " | ".join(present.values()) + " |", "| --- | --- |" + " --- |" * len(present)]
     for _, row in rows.iterrows():
-        lines.append(f"| {row['method']} | {int(row['budget'])} | "
+        lines.append(f"| {row['method']} | {_setting(float(row['budget']))} | "
                      + " | ".join(_fmt(row[c], 0 if c in COUNT_COLUMNS else digits) for c in present) + " |")
     return "\n".join(lines)
 
@@ -165,7 +165,7 @@ def agreement_table(group: pd.DataFrame) -> str | None:
         entries = ["-" if pd.isna(row.get(c)) else
                    f"{_fmt(row[c], d)} [{_fmt(row.get(c + '_ci_low'), d)}, {_fmt(row.get(c + '_ci_high'), d)}]"
                    for c, (_, d) in AGREEMENT_HEADINGS.items()]
-        lines.append(f"| {row['method']} | {int(row['budget'])} | {_fmt(row.get('score'))} | " + " | ".join(entries)
+        lines.append(f"| {row['method']} | {_setting(float(row['budget']))} | {_fmt(row.get('score'))} | " + " | ".join(entries)
                      + f" | {int(row['n_agreement'])} |")
     return "\n".join(lines)
 
