@@ -78,13 +78,17 @@ def _positions(page_abs, heads, pages, slots, n, slot_tokens, out):
 
 
 @njit(cache=True, nogil=True)
-def _load_host(k_src, v_src, base_pos, first_pos, end_pos, positions, heads, slots, n, offset, k_dst, v_dst):
-    """Copies the store rows of ``positions [n, s]`` (absolute, -1 = empty slot: reads the head's first row,
-    masked later) of KV heads ``heads`` into slots ``slots`` of the buffer (region starting at ``offset``).
-    Returns False (nothing partly checked is copied) when a position is outside ``first_pos .. end_pos-1``."""
+def _load_host(src, positions, heads, slots, offset, k_dst, v_dst):
+    """Copies the store rows at ``positions [n, s]`` (absolute, -1 = empty slot: reads the head's first row,
+    masked later) of KV heads ``heads [n]`` into slots ``slots [n]`` of the buffer ``k_dst, v_dst`` (region
+    starting at ``offset``). ``src`` = ``(k, v, base_pos, first_pos, end_pos)``, the store's host buffers ``[H,
+    capacity, d]`` (``HostKV.host_buffers``: row ``r`` holds position ``base_pos + r``) and its stored positions
+    ``first_pos .. end_pos-1``. Returns False (nothing partly checked is copied) when a position is outside
+    them."""
     # serial: a parallel copy is faster alone but slows the decode step, its spinning numba workers competing
     # with torch's ops (docs/benchmarks.md, "Threads and OpenMP waiting")
-    s = positions.shape[1]
+    k_src, v_src, base_pos, first_pos, end_pos = src
+    n, s = positions.shape
     for i in range(n):
         for j in range(s):
             pos = positions[i, j]
@@ -238,8 +242,8 @@ class ResidentBuffer:
         d = self.k.shape[2]
         if self.on_host and store.device.type == "cpu":
             k_data, v_data = store.host_buffers()
-            ok = _load_host(raw_numpy(k_data), raw_numpy(v_data), store.base_pos, store.first_pos, store.end_pos,
-                            positions, heads, slots, n, self.offset, raw_numpy(self.k), raw_numpy(self.v))
+            src = (raw_numpy(k_data), raw_numpy(v_data), store.base_pos, store.first_pos, store.end_pos)
+            ok = _load_host(src, positions, heads, slots, self.offset, raw_numpy(self.k), raw_numpy(self.v))
             if not ok:
                 used = positions[positions >= 0]
                 raise IndexError(f"positions {used.min()}..{used.max()} are not all in the offload store "

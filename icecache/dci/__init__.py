@@ -37,12 +37,12 @@ insert (a split can append page ids and reallocate). Page ``j`` of head 0 and pa
 hold different tokens. Slots ``0 .. valid-1`` of a page are used, in projection order.
 
 Algorithm (what the official C code ``src/dci.c`` does): the keys are lifted to ``T_K(k) = [k; sqrt(M^2 -
-|k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (computed inline by the kernels; ``tests/dci_reference.py`` is the plain reference); tokens are promoted to levels by
-the positional rule (``levels.py``); every point's parent is its nearest point one level up under
-``D`` (``parents.py``); every node's children form its pages (``_build.bulk_load``); a query
-descends from the virtual root keeping ``max(floor(n*search_ratio), min_fov)`` nodes per level and
-scores the children of each expanded node exactly, visited as the C code does (``_search.search``,
-below); new tokens join their nearest level-1 node, full pages split in half (``_insert.insert``).
+|k|^2)]`` and queries to ``T_Q(q) = [q/|q|; 0]`` (computed inline by the kernels; ``tests/dci_reference.py`` is
+the plain reference); tokens are promoted to levels by the positional rule (``levels.py``); every point's parent
+is its nearest point one level up under ``D`` (``parents.py``); every node's children form its pages
+(``_build.bulk_load``); a query descends from the virtual root keeping ``max(floor(n*search_ratio), min_fov)``
+nodes per level and scores the children of each expanded node exactly, visited as the C code does
+(``_search.search``, below); new tokens join their nearest level-1 node, full pages split in half (``_insert.insert``).
 
 Visiting the children of an expanded node (``dci_query_single_point_single_level`` with one simple
 index and ``dci_next_closest_proj``, CLOSEST = 128): from the position of ``p(q)`` in the node's

@@ -31,19 +31,23 @@ def norms_and_proj(keys, u):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def bulk_load(parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens):
+def bulk_load(points, page_size, pages, nodes, tokens):
     """Construction, last step (``src/dci.c``: every node's children in a B+-tree keyed by projection):
-    cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages (fills
-    ``pages``, ``nodes.first``, ``nodes.npages``, ``tokens.page`` and ``tokens.slot``)."""
-    for h in prange(parent.shape[0]):  # heads own disjoint slices of every array
+    cut every node's children, sorted by projection, into ``ceil(c/S)`` evenly filled pages (fills ``pages``,
+    ``nodes.first``, ``nodes.npages``, ``tokens.page`` and ``tokens.slot``). ``points`` = ``(keys, uk, proj,
+    parent, abs)``: ``keys [H, n, d]`` in the page storage's dtype, ``uk [H, n]`` = ``u_{1:d}.k``, ``proj [H, n]`` =
+    ``p(k)``, ``parent [H, n]`` each point's node (0 = virtual root), ``abs [n]`` absolute token ids."""
+    heads = points[0].shape[0]
+    for h in prange(heads):  # heads own disjoint slices of every array
         # one call per head: numba (0.68) can lose stores through a tuple's fields made directly
         # in a prange body (seen on ``pages.used``), not those made in a called function
-        _load_head(h, parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens)
+        _load_head(h, points, page_size, pages, nodes, tokens)
 
 
 @njit(cache=True, nogil=True)
-def _load_head(h, parent, proj, uk, keys, tok_abs, page_size, pages, nodes, tokens):
+def _load_head(h, points, page_size, pages, nodes, tokens):
     """:func:`bulk_load` of head ``h``."""
+    keys, uk, proj, parent, tok_abs = points
     n = parent.shape[1]
     n_nodes = n + 1
     count = np.zeros(n_nodes + 1, dtype=np.int64)

@@ -141,14 +141,18 @@ def _split(h, pg, page_size, pages, tokens, changed):
 
 
 @njit(cache=True, nogil=True)
-def insert(new_keys, new_uk, new_sq, new_parent, new_loc, new_abs, m2, u_last, page_size, pages, nodes,
-           tokens, changed):
-    """Insert ``m`` new level-0 tokens per head into their parents' pages (``dci_add``).
+def insert(batch, m2, u_last, page_size, pages, nodes, tokens, changed):
+    """Insert ``m`` new level-0 tokens per head into their parents' pages (``dci_add``). ``batch`` = ``(keys, uk, sq,
+    parent, loc, abs)``: ``keys [H, m, d]`` in the page storage's dtype, ``uk [H, m]`` = ``u_{1:d}.k``, ``sq [H, m]``
+    = ``|k|^2``, ``parent [H, m]`` their level-1 node (:func:`insert_parents`), ``loc [m]`` their local token
+    indices, ``abs [m]`` their absolute token ids (a plain tuple: the cheapest bundle to pass from Python). ``m2
+    [H]``: the heads' ``M^2``, already raised by :func:`insert_parents`; ``u_last``: the last coordinate of ``u``.
 
     Parents are level-1 nodes (or the root of a one-level tree), so a new page is a level-0 page.
     A full page splits in half; every page whose content changed is flagged in ``changed``.
     Returns the largest page count of a node that received a token.
     """
+    new_keys, new_uk, new_sq, new_parent, new_loc, new_abs = batch
     heads, m, d = new_keys.shape
     most_pages = 0
     for h in range(heads):

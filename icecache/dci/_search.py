@@ -1,6 +1,7 @@
 """The M-DCI query (official ``src/dci.c``: ``dci_query``): the top-down page search of every query head, its
 upper levels here, level 0 in ``_level0.py``, a node's visiting order in ``_walk.py``; and the running search
-statistics (:func:`tally`). Storage layout: :mod:`icecache.dci.intrinsics`."""
+statistics (:func:`tally`). Storage layout: :mod:`icecache.dci.intrinsics`; the query heads and page rankings
+the kernels pass along (``Queries``, ``Query``, ``Ranking``): :mod:`icecache.dci._level0`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit, prange
 
-from ._level0 import level0_runs, list_touched, rank, rank_top_children, score_level0, top_pages
+from ._level0 import Queries, Query, Ranking, level0, rank, ranking_of, top_pages
 from ._walk import visited_run
 from .intrinsics import EXACT, dot_key, prefetch
 
@@ -18,35 +19,36 @@ from .intrinsics import EXACT, dot_key, prefetch
 # k_pages (K, int), fov (nodes kept per level, int), prop (prop_to_retrieve, float), chunk (visit_chunk, int),
 # top_level, n_upper (tokens on levels >= 1), max_children (children of one node, a bound), official (C rule)
 SearchParams = namedtuple("SearchParams", "k_pages fov prop chunk top_level n_upper max_children official")
+# what the search of a group of query heads writes (:func:`_search_group`): ids [G, C] page ids, scores [G, C] their
+# best q.k, counts [G, 2]
+Result = namedtuple("Result", "ids scores counts")
+# the children one upper level scored, in scoring order: score (q.k), node (the child's node index), page (its page)
+Candidates = namedtuple("Candidates", "score node page")
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
-def _score_page(h, qv, pg, s0, s1, ranked, pages, best, touched, n_touched, cand, nc):
-    """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of upper-level page ``pg``, appended to the candidates
-    ``cand`` (score, node index, page); when ``ranked`` (rule ``"scored"``) they also update the page's best
-    score. Returns ``(n_touched, nc)``."""
+def _score_page(q, pg, s0, s1, pages, cand, nc):
+    """Exact scores ``q.k`` of slots ``s0 .. s1-1`` of upper-level page ``pg`` for the :data:`Query` ``q``,
+    appended to the :data:`Candidates` ``cand`` from position ``nc``. Returns the new count."""
+    h, qv = q.h, q.v
     cand_s, cand_v, cand_p = cand
-    top = -np.inf
     for s in range(s0, s1):
-        acc = dot_key(qv, pages.keys[h, pg, s])
-        top = max(top, acc)
-        cand_s[nc] = acc
+        cand_s[nc] = dot_key(qv, pages.keys[h, pg, s])
         cand_v[nc] = pages.loc[h, pg, s] + 1
         cand_p[nc] = pg
         nc += 1
-    if ranked:
-        n_touched = rank(pg, top, best, touched, n_touched)
-    return n_touched, nc
+    return nc
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, inline="always")
-def _expand(h, node, qv, qp, params, pages, nodes, pos, best, touched, n_touched, cand, nc):
+def _expand(q, node, params, pages, nodes, pos, cand, nc):
     """Single-node search of the C code above level 0 (``dci_query_single_point_single_level`` with one
     simple index): score exactly the children :func:`~icecache.dci._walk.chunk_walk` visits (a node with
-    ``c <= chunk`` children in full), appending them to ``cand``. Returns ``(n_touched, nc)``."""
-    lo, hi = visited_run(h, node, qp, params, pages, nodes, pos)
+    ``c <= chunk`` children in full), appending them to ``cand``. Returns the new count of candidates."""
+    h = q.h
+    lo, hi = visited_run(h, node, q.p, params, pages, nodes, pos)
     if lo >= hi:
-        return n_touched, nc
+        return nc
     i = 0  # position of the first slot of page pg in the node's sorted child list
     pg = nodes.first[h, node]
     for _ in range(nodes.npages[h, node]):
@@ -54,11 +56,25 @@ def _expand(h, node, qv, qp, params, pages, nodes, pos, best, touched, n_touched
         s0 = max(lo - i, 0)
         s1 = min(hi - i, v)
         if s0 < s1:
-            n_touched, nc = _score_page(h, qv, pg, s0, s1, not params.official, pages, best, touched, n_touched,
-                                        cand, nc)
+            nc = _score_page(q, pg, s0, s1, pages, cand, nc)
         i += v
         pg = pages.next[h, pg]
-    return n_touched, nc
+    return nc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rank_children(rk, cand, nc):
+    """The rule ``"scored"`` on an upper level: every scored child ranks its page in one query's ranking ``rk``
+    with the page's best score among them (a page's children are consecutive in ``cand``)."""
+    cand_s, cand_p = cand.score, cand.page
+    a = 0
+    while a < nc:
+        pg = cand_p[a]
+        top = -np.inf
+        while a < nc and cand_p[a] == pg:
+            top = max(top, cand_s[a])
+            a += 1
+        rank(rk, pg, top)
 
 
 @njit(cache=True, nogil=True)
@@ -79,22 +95,21 @@ def _order_desc(scores, n, keys):
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT)
-def _descend(qv, qp, h, params, pages, nodes, pos, best, touched, kept, counts):
-    """The upper levels of one query head's top-down search (``dci_query_single_point``, see :func:`search`):
-    from the virtual root, expand the kept nodes of a level, sort the children found by score and keep the
-    smallest prefix whose level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Every scored
-    child ranks its page, or (``official``, the C rule) only the kept prefix. Stops at the nodes whose
-    children are level-0 pages, written to ``kept``. Returns ``(n_kept, n_touched)``, ``n_kept = 0`` when a
-    level has no children (nothing left to expand). Adds the keys scored on these levels to ``counts[0]``
-    and the nodes expanded (virtual root included) to ``counts[1]``."""
-    n_upper, k_pages, fov = params.n_upper, params.k_pages, params.fov
-    cand = (np.empty(n_upper + 1, dtype=np.float32), np.empty(n_upper + 1, dtype=np.int64),
-            np.empty(n_upper + 1, dtype=np.int64))
+def _descend(q, params, pages, nodes, pos, rk, kept, counts):
+    """The upper levels of one :data:`Query` ``q``'s top-down search (``dci_query_single_point``, see
+    :func:`search`): from the virtual root, expand the kept nodes of a level, sort the children found by score
+    and keep the smallest prefix whose level-0 pages reach ``k_pages``, but at least ``min(fov, found)``. Every
+    scored child ranks its page in the query's ranking ``rk``, or (``official``, the C rule) only the kept
+    prefix. Stops at the nodes whose children are level-0 pages, written to ``kept``. Returns their number,
+    0 when a level has no children (nothing left to expand). Adds the keys scored on these levels to
+    ``counts[0]`` and the nodes expanded (virtual root included) to ``counts[1]``."""
+    h, n_upper, k_pages, fov = q.h, params.n_upper, params.k_pages, params.fov
+    cand = Candidates(np.empty(n_upper + 1, dtype=np.float32), np.empty(n_upper + 1, dtype=np.int64),
+                      np.empty(n_upper + 1, dtype=np.int64))
     cand_s, cand_v, cand_p = cand
     sort_keys = np.empty(n_upper + 1, dtype=np.int64)
     kept[0] = 0
     n_kept = 1
-    n_touched = 0
     child_level = params.top_level
     while child_level > 0:
         for a in range(n_kept):  # the first page of every node about to be expanded, requested at once
@@ -106,15 +121,16 @@ def _descend(qv, qp, h, params, pages, nodes, pos, best, touched, kept, counts):
         nc = 0
         counts[1] += n_kept
         for a in range(n_kept):
-            n_touched, nc = _expand(h, kept[a], qv, qp, params, pages, nodes, pos, best, touched, n_touched, cand,
-                                    nc)
+            nc = _expand(q, kept[a], params, pages, nodes, pos, cand, nc)
         counts[0] += nc  # one candidate per scored child
         if nc == 0:
-            return 0, n_touched
+            return 0
         for a in range(nc):  # what the next level reads of each candidate, requested before the sort
             prefetch(nodes.nleaf, (h, cand_v[a]))
             prefetch(nodes.first, (h, cand_v[a]))
             prefetch(nodes.npages, (h, cand_v[a]))
+        if not params.official:
+            _rank_children(rk, cand, nc)
         order = _order_desc(cand_s, nc, sort_keys)
         n_kept = min(fov, nc)
         leaves = 0
@@ -126,68 +142,50 @@ def _descend(qv, qp, h, params, pages, nodes, pos, best, touched, kept, counts):
         for a in range(n_kept):
             kept[a] = cand_v[order[a]]
             if params.official:
-                n_touched = rank(cand_p[order[a]], cand_s[order[a]], best, touched, n_touched)
+                rank(rk, cand_p[order[a]], cand_s[order[a]])
         child_level -= 1
-    return n_kept, n_touched
+    return n_kept
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT)
-def _search_group(q_group, qps, h, params, pages, nodes, out, out_scores, counts):
-    """Searches of the ``G`` query heads ``q_group [G, d]`` of KV head ``h`` (see :func:`search`): each
-    descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is
-    scored for the group in one pass (:func:`~icecache.dci._level0.score_level0`), or per query under the C
-    rule (:func:`~icecache.dci._level0.rank_top_children`, which skips the children below each query's output
-    floor, the ``C``-th best page so far, seeded with the pages the upper levels ranked). Writes ``counts [G,
-    2]`` (keys scored, nodes expanded; :func:`search`)."""
-    n_group = q_group.shape[0]
+def _search_group(qs, params, pages, nodes, res):
+    """Searches of the ``G`` query heads ``qs`` of one KV head (:data:`Queries`; see :func:`search`): each
+    descends the upper levels alone (:func:`_descend`), then level 0, where nearly all the scoring is, is ranked
+    for the group by :func:`~icecache.dci._level0.level0` under the search's candidate rule. Writes the group's
+    rows of the :data:`Result` ``res`` (page ids, scores, and the counts [G, 2]: keys scored, nodes expanded)."""
+    h, n_group = qs.h, qs.v.shape[0]
     n_pages_h = pages.used[h]
     n_upper, max_children = params.n_upper, params.max_children
-    best = np.full((n_group, n_pages_h), -np.inf, dtype=np.float32)
-    touched = np.empty((n_group, n_pages_h), dtype=np.int64)
-    n_touched = np.zeros(n_group, dtype=np.int64)
+    rk = Ranking(np.full((n_group, n_pages_h), -np.inf, dtype=np.float32),
+                 np.empty((n_group, n_pages_h), dtype=np.int64), np.zeros(n_group, dtype=np.int64))
     pos = (np.empty(max_children, dtype=np.int64), np.empty(max_children, dtype=np.int64))
     kept = np.empty(n_upper + 1, dtype=np.int64)
     runs = np.empty((n_group * (n_upper + 1), 4), dtype=np.int64)
     n_runs = 0
+    counts = res.counts
     for g in range(n_group):
         counts[g, 0] = 0
         counts[g, 1] = 0
-        n_kept, n_touched[g] = _descend(q_group[g], qps[g], h, params, pages, nodes, pos, best[g], touched[g],
-                                        kept, counts[g])
+        n_kept = _descend(Query(h, qs.v[g], qs.p[g]), params, pages, nodes, pos, ranking_of(rk, g), kept, counts[g])
         for a in range(n_kept):
             runs[n_runs, 0] = kept[a]
             runs[n_runs, 1] = g
             n_runs += 1
-    order = np.argsort(runs[:n_runs, 0], kind="mergesort")
-    level0_runs(h, runs, n_runs, order, qps, params, pages, nodes, pos)
+    level0(qs, runs[:n_runs], params, pages, nodes, pos, rk, res.ids.shape[1])
     for r in range(n_runs):  # level 0: each run is one expanded node and the children its query scores
         counts[runs[r, 1], 0] += runs[r, 3] - runs[r, 2]
         counts[runs[r, 1], 1] += 1
-    if params.official:
-        buf_s = np.empty(max(params.k_pages, 1), dtype=np.float32)
-        buf_p = np.empty(max(params.k_pages, 1), dtype=np.int64)
-        top_s = np.empty((n_group, out.shape[1]), dtype=np.float32)
-        top_p = np.empty((n_group, out.shape[1]), dtype=np.int64)
-        n_top = np.empty(n_group, dtype=np.int64)
-        for g in range(n_group):
-            n_top[g] = list_touched(best[g], touched[g], n_touched[g], top_s[g], top_p[g])
-        for r in range(n_runs):
-            g = runs[r, 1]
-            n_touched[g], n_top[g] = rank_top_children(h, q_group[g], runs[r, 0], runs[r, 2], runs[r, 3],
-                                                       params.k_pages, pages, nodes, best[g], touched[g],
-                                                       n_touched[g], buf_s, buf_p, top_s[g], top_p[g], n_top[g])
-    else:
-        score_level0(h, q_group, runs[order], n_runs, pages, nodes, best, touched, n_touched)
     for g in range(n_group):
-        top_pages(best[g], touched[g], n_touched[g], out[g], out_scores[g])
+        top_pages(ranking_of(rk, g), res.ids[g], res.scores[g])
 
 
 @njit(cache=True, nogil=True, fastmath=EXACT, parallel=True)
-def search(queries, u, group, params, pages, nodes, out, out_scores, counts, n_threads):
+def search(queries, u, group, params, pages, nodes, res, n_threads):
     """Top-down page search of every query head (``dci_query``), in parallel on ``n_threads`` threads;
-    ``params`` a :data:`SearchParams`. Writes ``out [H_q, C]`` (page ids, -1 padded), ``out_scores [H_q, C]``
-    (best token's ``q.k``, -inf padded), ``C >= k_pages``, and ``counts [H_q, 2]`` (int64), how much of the
-    index each query head's search touched:
+    ``params`` a :data:`SearchParams`, ``group`` query heads per KV head. Writes ``res`` = ``(ids, scores,
+    counts)`` (a plain tuple: the cheapest bundle to pass from Python): ``ids [H_q, C]`` (page ids, -1 padded),
+    ``scores [H_q, C]`` (best token's ``q.k``, -inf padded), ``C >= k_pages``, and ``counts [H_q, 2]`` (int64), how
+    much of the index each query head's search touched:
 
     - ``counts[:, 0]``, keys scored: the keys whose ``q.k`` the search computed for that query head, i.e. the
       children of every node it expanded that the chunk walk visited (``_walk.chunk_walk``; all of them when
@@ -219,6 +217,7 @@ def search(queries, u, group, params, pages, nodes, out, out_scores, counts, n_t
     requested together before it reads them (:func:`~icecache.dci.intrinsics.prefetch`: the kept nodes'
     first pages, the candidates' node records before their sort, a node's next page while one is scored).
     """
+    ids, scores, counts = res
     n_q, d = queries.shape
     qv = np.empty((n_q, d), dtype=np.float32)
     qps = np.empty(n_q, dtype=np.float32)
@@ -236,8 +235,8 @@ def search(queries, u, group, params, pages, nodes, out, out_scores, counts, n_t
         while q0 < end:  # the share's pieces of consecutive KV heads, in turn
             h = q0 // group
             q1 = min(end, (h + 1) * group)
-            _search_group(qv[q0:q1], qps[q0:q1], h, params, pages, nodes, out[q0:q1], out_scores[q0:q1],
-                          counts[q0:q1])
+            _search_group(Queries(h, qv[q0:q1], qps[q0:q1]), params, pages, nodes,
+                          Result(ids[q0:q1], scores[q0:q1], counts[q0:q1]))
             q0 = q1
 
 

@@ -4,8 +4,8 @@
 See the package docstring (``icecache/dci/__init__.py``) for the API and for what differs from the
 official C code. Internal storage is numpy (shared zero-copy with the torch views this class
 returns); the irregular work runs in the numba kernels of ``_build.py``, ``_search.py`` and ``_insert.py``
-(the search in parallel over query heads), the dense work in BLAS matmuls: parent search at construction in torch (batched
-over heads), parent search at insert in numpy (one small matmul per head, no torch call overhead).
+(the search in parallel over query heads), the dense work in BLAS matmuls: parent search at construction in torch
+(batched over heads), parent search at insert in numpy (one small matmul per head, no torch call overhead).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class MDCIIndex:
         pages = int(((children + s - 1) // s).sum(1).max())
         self._max_children = int(children.max())
         self._ensure_pages(pages + max(64, pages // 8))
-        _build.bulk_load(parent, proj, uk, k_stored, self.tok_abs, s, self._pages, self._nodes, self._tokens)
+        _build.bulk_load((k_stored, uk, proj, parent, self.tok_abs), s, self._pages, self._nodes, self._tokens)
         upper = np.flatnonzero(level > 0)
         by_level = upper[np.argsort(level[upper], kind="stable")].astype(np.int64)
         self.n_upper = int(upper.size)
@@ -216,7 +216,7 @@ class MDCIIndex:
         params = _search.SearchParams(int(k_pages), int(fov), float(self.cfg.prop_to_retrieve),
                                       int(self.cfg.visit_chunk), int(self.top_level), int(self.n_upper),
                                       int(self._max_children), self.cfg.candidate_rule == "official")
-        _search.search(q, self.u, n_q // self.heads, params, self._pages, self._nodes, out, scores, counts,
+        _search.search(q, self.u, n_q // self.heads, params, self._pages, self._nodes, (out, scores, counts),
                        numba.get_num_threads())
         _search.tally(counts, self.n, self._tally)
         self.search_counts = counts
@@ -266,8 +266,9 @@ class MDCIIndex:
         abs_ids = token_ids.detach().to(torch.int64).numpy()
         self.tok_abs[loc] = abs_ids
         changed = np.zeros(self.page_valid_np.shape, dtype=np.bool_)
-        most = _insert.insert(_stored_keys(keys, k_np, self.page_keys.dtype), uk, sq, parent, loc, abs_ids,
-                              self.m2, np.float32(self.u[-1]), self.cfg.page_size, self._pages, self._nodes, self._tokens, changed)
+        batch = (_stored_keys(keys, k_np, self.page_keys.dtype), uk, sq, parent, loc, abs_ids)
+        most = _insert.insert(batch, self.m2, np.float32(self.u[-1]), self.cfg.page_size, self._pages, self._nodes,
+                              self._tokens, changed)
         self.n += m
         self._max_children = max(self._max_children, most * self.cfg.page_size)
         return torch.from_numpy(changed[:, : self.n_pages])

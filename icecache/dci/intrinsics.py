@@ -25,9 +25,16 @@ Invariant: a node's pages, followed through ``Pages.next``, hold its children so
 
 The kernels live by job: construction in ``_build.py``, the query in ``_search.py`` (upper levels),
 ``_level0.py`` (level 0 and page ranking) and ``_walk.py`` (one node's visiting order), insertion in
-``_insert.py``. numba's on-disk cache (``cache=True``) checks only the source file of the cached function, so
-the cache folder is named after a digest of every kernel file (:mod:`icecache.kernel_cache`): editing a
-helper here recompiles the kernels that inline it.
+``_insert.py``. What else a kernel needs travels as named tuples too, so that no kernel takes more than eight
+parameters: the search's scalars, outputs and upper-level candidates (``_search.SearchParams``, ``Result``,
+``Candidates``), the query heads and their page rankings (``_level0.Queries``, ``Query``, ``Ranking``,
+``Floor``). The arrays a call from Python bundles (the points to lay out or insert, the search's outputs) travel
+as plain tuples, unpacked by name at the top of the kernel: numba dispatches a plain tuple faster than a named
+one.
+
+numba's on-disk cache (``cache=True``) checks only the source file of the cached function, so the cache folder
+is named after a digest of every kernel file (:mod:`icecache.kernel_cache`): editing a helper here recompiles
+the kernels that inline it.
 """
 
 from __future__ import annotations
