@@ -286,6 +286,26 @@ def settings_first(argv: list[str]) -> list[str]:
     return settings + flags
 
 
+def options_of_swept_groups(argv: list[str]) -> list[str]:
+    """The command line with each option of a swept group (``cache.budget_layout=fixed`` beside ``-m
+    cache=icecache,page_oracle``) written ``++cache.budget_layout=fixed``. Hydra composes a multirun's first
+    config with the group's default in place of the swept choice (``cache=full``), which lacks the option and
+    refuses it; ``++`` sets it there and in every job. :func:`command_line_error` has composed each job with the
+    option as written, so an option that one of the swept choices lacks is still refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not {"-m", "--multirun"} & set(argv):
+        return argv
+    settings = [token for token in argv if not token.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(settings)
+    except Exception:  # command_line_error reported it
+        return argv
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override() and "." not in o.key_or_group}
+    return [f"++{token}" if not token.startswith(("-", "+", "~")) and token.split("=", 1)[0].split(".", 1)[0]
+            in swept and "." in token.split("=", 1)[0] else token for token in argv]
+
+
 if __name__ == "__main__":
     sys.argv[1:] = settings_first(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") != "1":
@@ -293,6 +313,7 @@ if __name__ == "__main__":
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             sys.exit(2)
+    sys.argv[1:] = options_of_swept_groups(sys.argv[1:])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt: main() reports the run
     try:
         main()

@@ -53,10 +53,8 @@ the official ``InferState`` refuses for ``page_topks=32`` (it asserts ``page_top
 The smallest budget at 32-token pages is 256 (8 pages: ``8 // 2 - 2 - 1 = 1`` scored page); smaller budgets
 need smaller pages (``cache.page_size=16`` for 128, ``8`` for 64). A fractional budget (GSM8K's
 ``budget=0.1``) resolves to multiples of 16 tokens, at least 64: only ``page_size=8`` takes all of them (the
-run's config check says so otherwise). Measured with SmolLM2-135M on passkey
-(2k + 4k tokens, 5 depths, seed 0; 10 samples): 100 at budget 256 (either digest), 100 at 128 (16-token
-pages), 90 at 64 (8-token pages), effective tokens 229 / 117 / 59; Quest on the same samples: 60 at 256,
-40 at 64. About 0.4-1.3 pages recalled per layer per sample over the answer's few decode steps.
+run's config check says so otherwise). With these smaller pages ArkVale keeps its passkey accuracy at 128 and
+64 tokens on SmolLM2-135M, recalling few pages per layer (docs/fidelity.md, "ArkVale", "Deviations").
 """
 from __future__ import annotations
 
@@ -126,7 +124,7 @@ class ArkValeState(LayerState):
         self.slot_page[slot], self.page_slot[page] = page, slot
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArkVale(KVMethod):
     """Recallable page eviction with bounding-box page digests.
 
@@ -183,16 +181,16 @@ class ArkVale(KVMethod):
                 f"{self.n_win_pages} window pages, with page_topks={self.page_topks}: pages // 2 when 0 or not below "
                 f"the pages); nearest valid budgets: {' or '.join(map(str, lower + upper))}")
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx >= self.n_dense_layers
+    def is_budgeted(self, st: LayerState) -> bool:
+        return st.layer_idx >= self.n_dense_layers
 
     def make_state(self, layer_idx: int) -> LayerState:
-        return ArkValeState(layer_idx) if self.is_budgeted(layer_idx) else LayerState(layer_idx)
+        return ArkValeState(layer_idx) if layer_idx >= self.n_dense_layers else LayerState(layer_idx)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = causal_attention(q, k, v, self.spec.scaling)
-        if not self.is_budgeted(st.layer_idx):
+        out = causal_attention(q, k, v, st.spec.scaling)
+        if not self.is_budgeted(st):
             self.store(st, k, v)
             return out
         ps, slots, n = self.page_size, self.page_budget, k.shape[1]
@@ -224,7 +222,7 @@ class ArkVale(KVMethod):
 
     # ------------------------------------------------------------------ decode
     def append(self, st: LayerState, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return self.store(st, k, v)
         ps, t = self.page_size, st.n_seen - 1
         st.host.append(k, v)  # every token is backed up (the official backs up each page when it fills)
@@ -260,7 +258,7 @@ class ArkVale(KVMethod):
     def select(self, st: LayerState, q: torch.Tensor) -> np.ndarray | None:
         """The pages to have resident this step (``[k]`` page ids), or None (dense layer, or a context that
         fits the budget)."""
-        if not self.is_budgeted(st.layer_idx) or st.centre.shape[1] < self.page_budget:
+        if not self.is_budgeted(st) or st.centre.shape[1] < self.page_budget:
             return None
         ns, nw = self.n_sink_pages, self.n_win_pages
         n_digests = st.centre.shape[1]  # the pages before the newest

@@ -33,6 +33,6 @@ class AttendedSetState(LayerState):
 
 def check_attended(method, st: AttendedSetState) -> None:
     """Debug check of a method that attends a subset of resident keys: the attended set fits the budget."""
-    if method.is_budgeted(st.layer_idx) and st.max_attended > method.budget:
+    if method.is_budgeted(st) and st.max_attended > method.budget:
         raise AssertionError(f"{method.name}: layer {st.layer_idx} attended {st.max_attended} past tokens in one "
                              f"head, over the budget of {method.budget}")

@@ -8,7 +8,7 @@ from typing import ClassVar
 from icecache.kv import KVMethod
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullCache(KVMethod):
     """Keeps the whole KV cache resident. ``budget`` is ignored (logged as ``None``)."""
 
@@ -16,5 +16,5 @@ class FullCache(KVMethod):
     needs_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        self.budget = None  # no budget: full attention in every layer
+        object.__setattr__(self, "budget", None)  # construction: no budget, full attention in every layer
         super().__post_init__()

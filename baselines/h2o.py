@@ -59,7 +59,7 @@ def attention_with_column_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, sums
 
 
-@dataclass
+@dataclass(frozen=True)
 class H2O(KVMethod):
     """Heavy hitters + recent window, evicted per KV head at every step.
 
@@ -102,10 +102,10 @@ class H2O(KVMethod):
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, st: PerHeadState, q, k, v) -> torch.Tensor:
-        out, sums = attention_with_column_sums(q, k, v, self.spec.scaling, self.chunk_size)
+        out, sums = attention_with_column_sums(q, k, v, st.spec.scaling, self.chunk_size)
         self.store(st, k, v)
         st.n_prompt = k.shape[1]
-        st.score = sums.view(self.spec.n_kv_heads, self.spec.group, -1)
+        st.score = sums.view(st.spec.n_kv_heads, st.spec.group, -1)
         return out
 
     def finish_prefill(self, st: PerHeadState) -> None:
@@ -114,7 +114,7 @@ class H2O(KVMethod):
         if n <= self.budget:
             return
         older = n - self.recent_size
-        ranked = aggregate_group(st.score[..., :older], self.spec.n_kv_heads, self.group_agg)
+        ranked = aggregate_group(st.score[..., :older], st.spec.n_kv_heads, self.group_agg)
         heavy = ranked.topk(self.heavy_size, dim=-1).indices.sort(-1).values
         recent = torch.arange(older, n, device=heavy.device).expand(heavy.shape[0], -1)
         keep_per_head(st, torch.cat([heavy, recent], dim=1))
@@ -122,7 +122,7 @@ class H2O(KVMethod):
     # ------------------------------------------------------------------ decode
     def attend(self, st: PerHeadState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
         """Explicit softmax (H2O needs the probabilities); they are kept for :meth:`observe`."""
-        probs = attention_logits(q, fetched.k, self.spec.scaling).softmax(-1)  # [H_q, 1, m]
+        probs = attention_logits(q, fetched.k, st.spec.scaling).softmax(-1)  # [H_q, 1, m]
         st.probs = probs[:, 0]
         return torch.matmul(probs, expand_heads(fetched.v, q.shape[0]).float()).to(q.dtype)
 

@@ -83,7 +83,7 @@ def _capture(cache_ref: weakref.ref, layer_idx: int, module, args, kwargs) -> No
         seq.inputs[layer_idx] = (module, hidden, kwargs["position_embeddings"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVPress(KVMethod):
     """A kvpress ``ScorerPress`` (NVIDIA/kvpress 0.5.5) as a method.
 
@@ -104,7 +104,7 @@ class KVPress(KVMethod):
     def validate(self) -> None:
         if not isinstance(self.press_kwargs, dict):
             raise ValueError(f"kvpress: press_kwargs must be a mapping, got {self.press_kwargs!r}")
-        self._press = make_press(self.press, dict(self.press_kwargs))
+        object.__setattr__(self, "_press", make_press(self.press, dict(self.press_kwargs)))  # construction
 
     def attach(self, model: torch.nn.Module, cache) -> None:
         """Registers the capture pre-hook of ``cache`` on every ``self_attn`` of ``model`` (replacing an earlier
@@ -133,7 +133,7 @@ class KVPress(KVMethod):
             raise RuntimeError("kvpress: no captured layer inputs; build the cache with KVCache.for_model(method, "
                                "model) (or make_cache), which registers the capture hooks")
         module, hidden, position_embeddings = st.seq.inputs.pop(st.layer_idx)
-        if st.layer_idx == self.spec.n_layers - 1:
+        if st.layer_idx == st.spec.n_layers - 1:
             st.seq.capturing = False
         st.n_prompt = n = st.k.shape[1]
         if n > self.budget:

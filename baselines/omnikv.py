@@ -27,12 +27,12 @@ effective tokens: dense/filter/wait layers (everything) and the generated tail o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
 
-from icecache.kv import Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv import Bound, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits
 from icecache.kv.base import tensor_bytes
 from icecache.kv.storage import to_store
@@ -84,7 +84,17 @@ class OmniState(LayerState):
         self.selected_at = -1  # n_seen at the filter layer's last selection
 
 
-@dataclass
+@dataclass(frozen=True)
+class OmniBound(Bound):
+    """OmniKV's values for one model: ``roles``, layer -> (role, its filter layer) (:func:`layer_roles`)."""
+
+    roles: dict
+
+    def settings(self) -> dict:
+        return {"filter_layers": sorted(layer for layer, (role, _) in self.roles.items() if role == "filter")}
+
+
+@dataclass(frozen=True)
 class OmniKV(KVMethod):
     """Filter layers select one token set from their own attention logits; sparse layers reuse it.
 
@@ -100,7 +110,6 @@ class OmniKV(KVMethod):
     wait_layers: int = 1
     selector: str = "last"
     name: ClassVar[str] = "omnikv"
-    roles: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (role, its filter layer)
 
     def validate(self) -> None:
         if self.selector not in SELECTORS:
@@ -111,27 +120,24 @@ class OmniKV(KVMethod):
         if self.filter_layers is not None and not all(isinstance(f, int) and f >= 0 for f in self.filter_layers):
             raise ValueError(f"omnikv: filter_layers must be layer ids (whole numbers >= 0), got {self.filter_layers}")
 
-    def bind(self, spec: ModelSpec) -> None:
-        super().bind(spec)
+    def bind(self, spec: ModelSpec) -> OmniBound:
+        """Each layer's role for a model of ``spec``: the filter layers (scaled to its depth when ``None``)."""
         filters = (scaled_filter_layers(spec.n_layers) if self.filter_layers is None
                    else tuple(sorted({int(f) for f in self.filter_layers})))
         if not filters or filters[0] < 0 or filters[-1] >= spec.n_layers:
             raise ValueError(f"omnikv: filter_layers {filters} must be layers of a {spec.n_layers}-layer model")
-        self.roles = layer_roles(spec.n_layers, filters, self.wait_layers)
-
-    def bound_settings(self) -> dict:
-        return {"filter_layers": sorted(layer for layer, (role, _) in self.roles.items() if role == "filter")}
+        return OmniBound(spec, layer_roles(spec.n_layers, filters, self.wait_layers))
 
     def make_state(self, layer_idx: int) -> OmniState:
         return OmniState(layer_idx)
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return self.roles[layer_idx][0] == "sparse"
+    def is_budgeted(self, st: OmniState) -> bool:
+        return st.bound.roles[st.layer_idx][0] == "sparse"
 
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, st: OmniState) -> None:
         st.n_prompt = st.n_seen
-        if self.is_budgeted(st.layer_idx):
+        if self.is_budgeted(st):
             st.store_k, st.store_v = to_store(st.k), to_store(st.v)
             # free the device prefill buffers: no view of them may stay (a prefix view would keep the whole
             # buffer alive and the in-place append would write the generated tail into it); the tail gets
@@ -141,9 +147,9 @@ class OmniKV(KVMethod):
 
     # ------------------------------------------------------------------ decode
     def select(self, st: OmniState, q: torch.Tensor) -> torch.Tensor | None:
-        role, group = self.roles[st.layer_idx]
+        role, group = st.bound.roles[st.layer_idx]
         if role == "filter":
-            st.selected = select_tokens(q, st.k[:, :st.n_prompt], self.spec.scaling, self.budget, self.selector)
+            st.selected = select_tokens(q, st.k[:, :st.n_prompt], st.spec.scaling, self.budget, self.selector)
             st.selected_at = st.n_seen
         if role != "sparse":
             return None
@@ -171,7 +177,7 @@ class OmniKV(KVMethod):
 
     # ------------------------------------------------------------------ accounting
     def resident_tokens(self, st: OmniState) -> int:
-        part = 0 if st.part_k is None or not self.is_budgeted(st.layer_idx) else st.part_k.shape[1]
+        part = 0 if st.part_k is None or not self.is_budgeted(st) else st.part_k.shape[1]
         return part + st.resident_tokens()
 
     def layer_memory(self, st: OmniState) -> dict[str, int]:
@@ -186,7 +192,7 @@ class OmniKV(KVMethod):
     def check_resident(self, st: OmniState) -> None:
         """Sparse layers: the selected prompt tokens must fit the budget; the tail (exempt, as in the
         official code) must hold generated tokens only."""
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return
         part, tail = self.resident_tokens(st) - st.resident_tokens(), st.resident_tokens()
         if part > self.budget or tail != st.n_seen - st.n_prompt:

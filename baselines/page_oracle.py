@@ -78,7 +78,7 @@ def top_pages(page_scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torc
     return pages.contiguous(), values.contiguous()
 
 
-@dataclass
+@dataclass(frozen=True)
 class PageOracle(IceCache):
     """IceCache whose retrieved pages are each query head's exact best pages of the same M-DCI index (a bound:
     see the module docstring for what it bounds and how to read it beside ``icecache`` and ``topk``).

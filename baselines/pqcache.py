@@ -17,21 +17,18 @@ Budget mapping: docs/architecture.md.
   prefill time instead (``MultiCoreCompressor_v2.compress``, lines 409-415: ``int((gpu_time - kmeans_3_iters) /
   kmeans_per_iter + 3)`` clamped to ``[3, 300]``, with the prefill time fitted on an RTX 4090 for Llama and
   Mistral, lines 220-224, and the k-means times profiled once on the machine, lines 345-385). That rule depends
-  on the machine and its load. Measured with this module's k-means (one 64-dim group of n Gaussian keys, 64
-  centroids, one core of a busy 2-core CPU) and the official 4090 prefill fit: the layer prefill it predicts takes
-  11.6 ms at 4k tokens, 24.4 ms at 8k, 134.7 ms at 32k, three iterations already 15 ms, 30 ms, 121 ms, so the rule
-  gives its floor of 3 iterations at every length from 2k to 32k, where the same problems converge in 20-106
-  iterations; a k-means three times faster (the official 3 cores per group, scaling perfectly) would get 12-18.
-  On a CPU whose cores all run torch it is 3 as well. On
-  SmolLM2's 4k-token keys (10 layers, recall of the PQ top-126 against the exact top-126, 16 queries) 3
-  iterations recall 0.416, 10 iterations 0.431, convergence (45 iterations on average, at most 67) 0.437.
+  on the machine and its load. With this module's k-means and the official 4090 prefill fit, three iterations
+  already take about as long as the predicted layer prefill, so the rule stays at its floor of 3 iterations at
+  every length, well short of convergence, and gives 3 as well on a CPU whose cores all run torch; the floor
+  recalls a little less of the exact top-k than convergence (both measured in docs/fidelity.md, "PQCache", "The
+  one deliberate deviation").
   Convergence is kept because it reads no clock: the codebooks, codes and selections depend only on the seed,
   not on the machine's load or its thread count (the assignment matmul, the centroid sums and the variance give
   the same bits with 1 to 4 threads; tests/test_determinism.py), and a stored prefill replays (LongBench tables
   replay every prompt); its codebook is the one the official rule tends to as its time budget grows, and it
-  quantises at least as well as any fewer iterations from the same start. Its cost is paid on the background
-  worker (SmolLM2 keys, one CPU core: 0.45 s per layer at 4k tokens, 0.9 s at 8k, against 0.15 s for 10
-  iterations; docs/fidelity.md). ``kmeans_iters=0`` (:attr:`PQCache.ADAPTIVE`) is the official rule, read live:
+  quantises at least as well as any fewer iterations from the same start. Its cost, several times that of a
+  fixed 10 iterations, is paid on the background worker (docs/fidelity.md, "PQCache", "Cost of the default").
+  ``kmeans_iters=0`` (:attr:`PQCache.ADAPTIVE`) is the official rule, read live:
   the iterations that fit in the previous layer's measured prefill time (layer 0: the minimum 3) times the share
   of CPU cores the prefill leaves idle (:func:`spare_cpu_share`: all of them when the model runs on a GPU, none on
   a CPU whose cores all run torch's threads, which gives the minimum 3), the time per iteration measured as it
@@ -70,7 +67,7 @@ from typing import ClassVar
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv import Bound, BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.base import tensor_bytes
 from icecache.kv.storage import HostKV, append_to_buffer, keep_sinks_and_recent
 
@@ -88,8 +85,8 @@ def split_subvectors(x: torch.Tensor, n_subvec: int) -> torch.Tensor:
 
 def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Codes ``[P, n]`` of points ``x: [P, n, ds]`` for codebooks ``centroids: [P, C, ds]`` (L2): the argmin of
-    ``|c|^2 - 2 x.c``, which orders the centroids as ``|x - c|^2`` does, in one batched matmul (``torch.cdist``
-    + argmin took 8.3 ms against 5.0 ms for 6 problems of 8k keys, 2 threads)."""
+    ``|c|^2 - 2 x.c``, which orders the centroids as ``|x - c|^2`` does, in one batched matmul, faster than
+    ``torch.cdist`` + argmin (docs/fidelity.md, "PQCache", "Cost of the default")."""
     x, centroids = x.float(), centroids.float()
     half = centroids.pow(2).sum(-1)[:, None, :]
     return torch.baddbmm(half, x, centroids.transpose(1, 2), alpha=-2).argmin(-1)
@@ -250,7 +247,7 @@ class PQState(LayerState):
         self.prefill_done: float | None = None  # the clock at this layer's finish_prefill (adaptive k-means)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PQCache(KVMethod):
     """Product-quantisation retrieval of the top-k keys per KV head.
 
@@ -309,10 +306,10 @@ class PQCache(KVMethod):
             raise ValueError(f"pqcache: kmeans_tol must be a number >= 0, got {self.kmeans_tol!r}")
         self.check_whole("n_bits", minimum=1)
 
-    def bind(self, spec: ModelSpec) -> None:
+    def bind(self, spec: ModelSpec) -> Bound:
         if spec.head_dim % self.n_subvec:
             raise ValueError(f"pqcache: head_dim {spec.head_dim} is not divisible by n_subvec={self.n_subvec}")
-        super().bind(spec)
+        return super().bind(spec)
 
     def make_state(self, layer_idx: int) -> PQState:
         return PQState(layer_idx)
@@ -336,7 +333,7 @@ class PQCache(KVMethod):
         st.prefill_done = now = time.perf_counter()
         last = st.seq.layers[st.layer_idx - 1].prefill_done if st.layer_idx else None
         layer_s = 0.0 if last is None else now - last
-        return layer_s * spare_cpu_share(self.spec.device)
+        return layer_s * spare_cpu_share(st.spec.device)
 
     def build_codebook(self, st: PQState, keys: torch.Tensor, generator: torch.Generator,
                        time_budget_s: float | None) -> None:
@@ -349,8 +346,8 @@ class PQCache(KVMethod):
                                   self.kmeans_iters or high, generator, tol=self.kmeans_tol, stats=stats,
                                   time_budget_s=time_budget_s, min_iters=low)
         st.kmeans_iterations = int(stats["iterations"].max())
-        st.centroids = centroids.reshape(h, self.n_subvec, *centroids.shape[1:]).to(self.spec.device)
-        st.codes = codes.reshape(h, self.n_subvec, n).permute(0, 2, 1).to(self.spec.device)
+        st.centroids = centroids.reshape(h, self.n_subvec, *centroids.shape[1:]).to(st.spec.device)
+        st.codes = codes.reshape(h, self.n_subvec, n).permute(0, 2, 1).to(st.spec.device)
         if self.uses_joint_scores:
             st.code_ids = joint_code_ids(st.codes, st.centroids.shape[2])
 
@@ -373,14 +370,14 @@ class PQCache(KVMethod):
         """Positions ``[H_kv, k]`` of the top-k candidates per KV head."""
         n_cand = self.n_candidates(st)
         if n_cand == 0:
-            return torch.empty(self.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
+            return torch.empty(st.spec.n_kv_heads, 0, dtype=torch.long, device=q.device)
         if self.uses_joint_scores:
             counts, mask = self.count_candidates(st, n_cand)
-            tuple_scores = joint_code_scores(q[:, 0], st.centroids, counts, self.spec.scaling, mask)
+            tuple_scores = joint_code_scores(q[:, 0], st.centroids, counts, st.spec.scaling, mask)
             scores = tuple_scores.gather(1, st.code_ids[:, :n_cand])
         else:
-            scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), self.spec.scaling,
-                                 self.spec.n_kv_heads)
+            scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), st.spec.scaling,
+                                 st.spec.n_kv_heads)
         return topk_sorted(scores, self.topk) + self.n_sink
 
     @staticmethod

@@ -70,7 +70,7 @@ def page_upper_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
     return torch.maximum(qf * lo, qf * hi).sum(-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Quest(KVMethod):
     """Query-aware page selection by min/max key bounds.
 
@@ -117,8 +117,8 @@ class Quest(KVMethod):
             raise BudgetError(f"quest: budget {self.budget} {why}; nearest valid budgets: "
                               f"{' or '.join(map(str, nearest))}")
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx >= self.n_dense_layers
+    def is_budgeted(self, st: QuestState) -> bool:
+        return st.layer_idx >= self.n_dense_layers
 
     def make_state(self, layer_idx: int) -> QuestState:
         return QuestState(layer_idx)
@@ -137,7 +137,7 @@ class Quest(KVMethod):
 
     def select(self, st: QuestState, q: torch.Tensor) -> torch.Tensor | None:
         """``[H_q, min(top_pages, pages)]`` page ids per query head, or None in a dense layer."""
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return None
         top = min(self.top_pages, st.kmin.shape[1])
         bounds = page_upper_bounds(q[:, 0], st.kmin, st.kmax)
@@ -151,7 +151,7 @@ class Quest(KVMethod):
             return Fetched(st.k, st.v)
         n = st.k.shape[1]
         tokens, valid = self.page_tokens(pages, n)
-        kv_head = (torch.arange(pages.shape[0], device=pages.device) // self.spec.group)[:, None]
+        kv_head = (torch.arange(pages.shape[0], device=pages.device) // st.spec.group)[:, None]
         st.max_attended = self.attended_past(n, pages.shape[1])
         return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens], valid, n_past=self.past_per_head(pages, n))
 

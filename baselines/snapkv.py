@@ -37,9 +37,8 @@ them, so past tokens grow to ``budget + generated``. Our budget convention count
 - ``"grow"`` (default): the paper's behaviour -- nothing is evicted after prefill; the generated tail is a declared
   exemption (resident/attended = budget + generated tokens, logged as effective tokens per layer).
 
-Measured (docs/fidelity.md; SmolLM2-135M, budget 256, 4 samples per task): pinned / grow / sliding score
-multi_news 13.76 / 13.51 / 13.78, lcc 14.0 / 14.0 / 14.5, GSM8K 0 / 0 / 0 (full: 13.70, 32.25, 0), i.e.
-indistinguishable at that scale, while grow attends 399 past tokens per head on average instead of 256.
+On SmolLM2-135M the three policies score alike within sample noise, while grow attends well over the budget
+(docs/fidelity.md, "SnapKV", the policy table).
 """
 from __future__ import annotations
 
@@ -87,7 +86,7 @@ class SnapState(PerHeadState):
         self.first_generated = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SnapKV(KVMethod):
     """Observation-window voting, compressed once at prefill.
 
@@ -143,20 +142,20 @@ class SnapKV(KVMethod):
 
     def store(self, st: SnapState, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.selection == "per_query_head":  # the official repeat_kv before the cache update
-            k, v = expand_heads(k, self.spec.n_q_heads), expand_heads(v, self.spec.n_q_heads)
+            k, v = expand_heads(k, st.spec.n_q_heads), expand_heads(v, st.spec.n_q_heads)
         store_per_head(st, k, v)
 
-    def votes(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def votes(self, st: SnapState, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``[H, L - window_size]``: pooled window votes per prefix token, per query head (``per_query_head``)
         or combined over the group (``per_kv_head``)."""
-        pooled = pool_votes(window_votes(q, k, self.spec.scaling, self.window_size), self.kernel_size, self.pooling)
+        pooled = pool_votes(window_votes(q, k, st.spec.scaling, self.window_size), self.kernel_size, self.pooling)
         if self.selection == "per_query_head":
             return pooled
-        return aggregate_group(pooled, self.spec.n_kv_heads, self.group_agg)
+        return aggregate_group(pooled, st.spec.n_kv_heads, self.group_agg)
 
     def prefill(self, st: SnapState, q, k, v) -> torch.Tensor:
         """Exact attention, then keep the voted prefix + the window (``pinned``: see the module doc)."""
-        out = causal_attention(q, k, v, self.spec.scaling)
+        out = causal_attention(q, k, v, st.spec.scaling)
         self.store(st, k, v)
         n = st.n_prompt = st.first_generated = k.shape[1]
         st.n_pinned = n
@@ -165,12 +164,12 @@ class SnapKV(KVMethod):
             n_pinned = self.budget - self.window_size - self.room
             if n_prefix > n_pinned:
                 n_keep = min(n_prefix, self.budget - self.window_size)
-                ranked = self.votes(q, k).topk(n_keep, dim=-1).indices  # best first
+                ranked = self.votes(st, q, k).topk(n_keep, dim=-1).indices  # best first
                 self.keep(st, torch.cat([ranked[:, :n_pinned].sort(-1).values, ranked[:, n_pinned:]], dim=1))
                 st.n_pinned, st.n_lent = n_pinned, n_keep - n_pinned
                 st.first_generated = n_keep + self.window_size
         elif n > self.budget:
-            self.keep(st, self.votes(q, k).topk(self.budget - self.window_size, dim=-1).indices.sort(-1).values)
+            self.keep(st, self.votes(st, q, k).topk(self.budget - self.window_size, dim=-1).indices.sort(-1).values)
         return out
 
     def keep(self, st: SnapState, prefix: torch.Tensor) -> None:
@@ -203,14 +202,13 @@ class SnapKV(KVMethod):
                                  f"tokens, over the allowed {allowed} (budget {self.budget})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SnapKVPinned(SnapKV):
     """SnapKV under this project's budget convention (``cache=snapkv_pinned``), a registered variant of
     :class:`SnapKV` whose one deviation is ``decode_policy="pinned"``: the past tokens stay within the budget
-    during decoding (the paper's ``grow`` attends ``budget + generated``: 399 past tokens per head on average at
-    budget 256 on LongBench), the prefill selection and the observation window are never evicted, and generated
-    tokens slide in ``decode_window`` slots. On SmolLM2-135M (budget 256, 4 samples per task, docs/fidelity.md)
-    pinned / grow scored multi_news 13.76 / 13.51 and lcc 14.0 / 14.0: indistinguishable at that scale."""
+    during decoding (the paper's ``grow`` attends ``budget + generated``), the prefill selection and the
+    observation window are never evicted, and generated tokens slide in ``decode_window`` slots. On SmolLM2-135M
+    pinned and grow score alike within sample noise (docs/fidelity.md, "SnapKV", the policy table)."""
 
     decode_policy: str = "pinned"
     name: ClassVar[str] = "snapkv_pinned"

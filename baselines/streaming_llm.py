@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv import Bound, BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 
 from icecache.kv.storage import evict_slot, keep_sinks_and_recent
 
@@ -33,7 +33,7 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return (x.float() * cos + rotated_half.float() * sin).to(x.dtype)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(KVMethod):
     """Attention sinks + recent window.
 
@@ -55,10 +55,10 @@ class StreamingLLM(KVMethod):
             raise BudgetError(f"streaming_llm: budget {self.budget} must exceed n_sink={self.n_sink} "
                               f"(sinks + at least one recent token); try budget={self.n_sink + 60}")
 
-    def bind(self, spec: ModelSpec) -> None:
-        super().bind(spec)
+    def bind(self, spec: ModelSpec) -> Bound:
         if self.rerotate and spec.inv_freq is None:
             raise ValueError("streaming_llm rerotate=True needs a RoPE model (no rotary_emb.inv_freq found)")
+        return super().bind(spec)
 
     def finish_prefill(self, st: LayerState) -> None:
         self.evict(st)
@@ -84,4 +84,4 @@ class StreamingLLM(KVMethod):
         m = st.k.shape[1]
         rank = st.pos.argsort().argsort()
         query_shift = (m - 1) - st.pos[-1]
-        return Fetched(rotate_by(st.k, (rank - st.pos) - query_shift, self.spec.inv_freq), st.v)
+        return Fetched(rotate_by(st.k, (rank - st.pos) - query_shift, st.spec.inv_freq), st.v)

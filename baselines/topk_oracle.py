@@ -45,7 +45,7 @@ HEAD_MODES = ("query", "kv")
 KV_RANKINGS = ("sum", "max")  # heads=kv: sum of the softmax | max of the logits
 
 
-@dataclass
+@dataclass(frozen=True)
 class TopKOracle(KVMethod):
     """Exact top-k attention.
 
@@ -76,18 +76,18 @@ class TopKOracle(KVMethod):
             raise BudgetError(f"topk: budget {self.budget} is smaller than n_sink + n_window = "
                               f"{self.n_sink + self.n_window} (both are counted in the budget)")
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx >= self.n_dense_layers
+    def is_budgeted(self, st: AttendedSetState) -> bool:
+        return st.layer_idx >= self.n_dense_layers
 
     def make_state(self, layer_idx: int) -> AttendedSetState:
         return AttendedSetState(layer_idx)
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Ranking scores ``[H, n]`` over all resident tokens (current one last), ``H`` = H_q or H_kv."""
-        logits = attention_logits(q, k, self.spec.scaling)[:, 0]  # [H_q, n]
+    def scores(self, st: AttendedSetState, q: torch.Tensor) -> torch.Tensor:
+        """Ranking scores ``[H, n]`` over all resident tokens of ``st`` (current one last), ``H`` = H_q or H_kv."""
+        logits = attention_logits(q, st.k, st.spec.scaling)[:, 0]  # [H_q, n]
         if self.heads == "query":
             return logits
-        grouped = logits.view(self.spec.n_kv_heads, self.spec.group, -1)
+        grouped = logits.view(st.spec.n_kv_heads, st.spec.group, -1)
         return grouped.softmax(-1).sum(1) if self.group_agg == "sum" else grouped.amax(1)
 
     def past_tokens(self, scores: torch.Tensor) -> torch.Tensor:
@@ -105,26 +105,26 @@ class TopKOracle(KVMethod):
     def select(self, st: AttendedSetState, q: torch.Tensor) -> torch.Tensor | None:
         """``[H, min(budget, past) + 1]`` token indices: the past tokens attended, then the current token;
         None in a dense layer (every resident token)."""
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return None
         n = st.k.shape[1]
-        past = self.past_tokens(self.scores(q, st.k)[:, :-1])
+        past = self.past_tokens(self.scores(st, q)[:, :-1])
         return torch.cat([past, past.new_full((past.shape[0], 1), n - 1)], dim=1)
 
     def prompt_selection(self, st: AttendedSetState, q: torch.Tensor) -> torch.Tensor | None:
         """:meth:`select` when every resident key is a past one (no current token appended): the offline
         recall of ``evals.bench.ablation --recall`` on captured prompt keys, which attends what a live step
         after that prompt attends among them -- the last prompt key included."""
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return None
-        return self.past_tokens(self.scores(q, st.k))
+        return self.past_tokens(self.scores(st, q))
 
     def fetch(self, st: AttendedSetState, tokens: torch.Tensor | None) -> Fetched:
         if tokens is None:
             st.max_attended = st.k.shape[1] - 1
             return Fetched(st.k, st.v)
         st.max_attended = tokens.shape[1] - 1
-        group = tokens.shape[0] // self.spec.n_kv_heads  # 1 for heads="kv", G for heads="query"
+        group = tokens.shape[0] // st.spec.n_kv_heads  # 1 for heads="kv", G for heads="query"
         kv_head = (torch.arange(tokens.shape[0], device=tokens.device) // group)[:, None]
         return Fetched(st.k[kv_head, tokens], st.v[kv_head, tokens])
 

@@ -251,8 +251,8 @@ def _generate_rows(p: Plan, suite, todo: list, run: results.RunDir, on_row) -> N
         record = results.method_record(method, p.method_name)
         if record != p.resolved_method:  # a fractional budget: this prompt's own budget and presets
             row["method"] = record
-        if method.bound_settings():  # fields resolved from the model (e.g. layer ids scaled to its depth)
-            row["method_bound"] = method.bound_settings()
+        if gen.method_bound:  # fields resolved from the model (e.g. layer ids scaled to its depth)
+            row["method_bound"] = gen.method_bound
         if probe is not None:
             row["recall"] = gen.recall
         run.append(row)

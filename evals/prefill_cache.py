@@ -107,7 +107,7 @@ def _prefill_of(cls: type[KVMethod], names) -> str | None:
     return next((name for name in names if name in METHODS and method_class(name).prefill is cls.prefill), None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _CaptureFull(KVMethod):
     """The full cache, keeping each layer's last prompt query (``st.last_query``) as well."""
 

@@ -60,6 +60,8 @@ class Generation:
     recall: dict | None = None  # diagnostics=recall: RecallProbe.summary() (None without the probe)
     prefill: str = "live"  # "replayed": the prompt's K/V came from a captured prefill (evals/prefill_cache.py)
     memory: dict[str, int] = field(default_factory=dict)  # KVCache.memory_bytes after the last step
+    budgeted_layers: list[int] = field(default_factory=list)  # KVCache.budgeted_layers
+    method_bound: dict = field(default_factory=dict)  # the method's settings resolved from the model (Bound.settings)
 
     def timing(self) -> dict:
         return {"ttft_s": self.ttft_s, "tt2t_s": self.tt2t_s, "intervals_s": self.intervals_s,
@@ -159,7 +161,8 @@ def generate(model, tokenizer, method: KVMethod, prompt_ids: list[int], max_new_
             effective_tokens=cache.effective_tokens(), max_resident_tokens=max_resident, transfer_bytes=moved,
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
             method_stats=cache.method_stats(), recall=None if probe is None else probe.summary(),
-            prefill="live" if replay is None else "replayed", memory=cache.memory_bytes())
+            prefill="live" if replay is None else "replayed", memory=cache.memory_bytes(),
+            budgeted_layers=cache.budgeted_layers(), method_bound=cache.bound.settings())
     finally:
         cache.close()
 

@@ -40,7 +40,7 @@ from .task import ConfigError
 OMP_WAIT_CHOICES = ("auto", "spin", "passive")
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threads wait, read when it loads
 LOADAVG = Path("/proc/loadavg")
-SAMPLES, SAMPLE_GAP_S = 5, 0.02  # /proc/loadavg readings per decision (~0.1 s at start-up)
+SAMPLES, SAMPLE_GAP_S = 5, 0.02  # /proc/loadavg readings per decision, and the seconds between two of them
 PLAN_VAR = "ICECACHE_THREAD_CHOICE"  # the start-up choice (JSON), inherited by a sweep's job processes
 LOCAL_LAUNCHERS = ("local", "submitit_local")  # conf/hydra/launcher/local.yaml: jobs of a batch run at once
 

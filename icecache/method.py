@@ -86,7 +86,7 @@ __all__ = ["BUDGET_LAYOUTS", "IceCache", "IceSequence", "IceState", "prompt_seed
 BUDGET_LAYOUTS = ("auto", "fixed", "retrieved")
 
 
-@dataclass
+@dataclass(frozen=True)
 class IceCache(KVMethod):
     """Paged offloading with M-DCI page retrieval, in the official configuration by default.
 
@@ -215,10 +215,10 @@ class IceCache(KVMethod):
                               f"({self.n_window_pages} pages) + at least one retrieved page; nearest valid "
                               f"budgets: {' or '.join(map(str, near))}")
 
-    @property
-    def n_slots(self) -> int:
-        """Page slots per KV head of the resident buffer (``K``; ``group * K`` for the union merge)."""
-        return self.layout()[2] * (self.spec.group if self.gqa_merge == "union" else 1)
+    def n_slots(self, group: int) -> int:
+        """Page slots per KV head of the resident buffer for query groups of ``group`` heads (``K``; ``group * K``
+        for the union merge)."""
+        return self.layout()[2] * (group if self.gqa_merge == "union" else 1)
 
     def dci_config(self, seed: int | None = None) -> DCIConfig:
         """The index configuration of a prefill's layers; ``seed``: their projection seed (the prompt's
@@ -234,8 +234,8 @@ class IceCache(KVMethod):
     def make_state(self, layer_idx: int) -> IceState:
         return IceState(layer_idx)
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx >= self.n_dense_layers
+    def is_budgeted(self, st: IceState) -> bool:
+        return st.layer_idx >= self.n_dense_layers
 
     def index_threshold(self) -> int:
         """A budgeted layer offloads once it holds more tokens than this (official: ``B``)."""
@@ -258,7 +258,7 @@ class IceCache(KVMethod):
     def finish_prefill(self, st: IceState) -> None:
         if st.layer_idx == 0 and self.projection == "per_prompt":
             st.seq.projection_seed = prompt_seed(self.seed, st.k)
-        if self.is_budgeted(st.layer_idx):
+        if self.is_budgeted(st):
             if st.n_seen > self.index_threshold():
                 if self.prefill_pipeline == "official":
                     self.join_prefill_job(st.seq)  # backpressure: one layer's job in flight at a time
@@ -266,7 +266,7 @@ class IceCache(KVMethod):
                 st.seq.prefill_job = st.pending
             elif self.short_prompt == "dense":
                 st.dense = True  # official: a prompt within the budget is never indexed
-        if self.prefill_pipeline == "official" and st.layer_idx == self.spec.n_layers - 1:
+        if self.prefill_pipeline == "official" and st.layer_idx == st.spec.n_layers - 1:
             self.join_prefill_job(st.seq)  # the official prefill returns with every index built
 
     @staticmethod
@@ -281,7 +281,7 @@ class IceCache(KVMethod):
         s, n = self.page_size, st.n_seen
         sink_pages, window_pages, _ = self.layout()
         first, w0 = sink_pages * s, (-(-n // s) - window_pages) * s
-        st.buffer = ResidentBuffer(st.k, st.v, first, self.n_slots, s, window_pages, w0)
+        st.buffer = ResidentBuffer(st.k, st.v, first, self.n_slots(st.spec.group), s, window_pages, w0)
         k_buf, v_buf = st.buffers.pop("k"), st.buffers.pop("v")  # row p = position p (nothing evicted yet)
         st.k = st.v = st.pos = None
         job = (self.offload_job, st, k_buf, v_buf, first, w0)
@@ -294,8 +294,8 @@ class IceCache(KVMethod):
         """Background job: positions ``first .. end - 1`` of the prefill buffers become the offload store
         (taken over without a copy on CPU, copied to pinned host memory on CUDA), then (anchors) the M-DCI
         index is built over their keys."""
-        st.store = OffloadStore.adopt(k_buf, v_buf, first, end, k_buf.device, k_buf.shape[0] * self.n_slots,
-                                      self.page_size)
+        slots = k_buf.shape[0] * self.n_slots(st.spec.group)
+        st.store = OffloadStore.adopt(k_buf, v_buf, first, end, k_buf.device, slots, self.page_size)
         if self.builds_index(st.layer_idx):
             config = self.dci_config(st.seq.projection_seed)
             st.index = MDCIIndex.build(st.store.keys(), torch.arange(first, end), config)
@@ -338,12 +338,12 @@ class IceCache(KVMethod):
         k, queries = self.layout()[2], q[:, 0].float().cpu()
         width = self.candidate_width(k)
         if self.gqa_merge in SCORED_MODES:
-            n_cand = max(k, self.gqa_candidates or self.spec.group * k, width)
+            n_cand = max(k, self.gqa_candidates or st.spec.group * k, width)
             pages, scores = self.search_pages(st, queries, k, n_cand)
-            st.candidates = merge_gqa(pages, self.spec.group, width, self.gqa_merge, scores, self.spec.scaling)
+            st.candidates = merge_gqa(pages, st.spec.group, width, self.gqa_merge, scores, st.spec.scaling)
         else:
             pages = self.search_pages(st, queries, k, width)[0]  # = the index's search() when width == K
-            st.candidates = merge_gqa(pages, self.spec.group, width, mode=self.gqa_merge)
+            st.candidates = merge_gqa(pages, st.spec.group, width, mode=self.gqa_merge)
         # both merges are prefix-stable: the first K of a list capped at ``width`` are the list capped at K
         st.selection = st.candidates if self.gqa_merge == "union" else st.candidates[:, :k]
         st.selected_at = st.n_seen
@@ -381,7 +381,7 @@ class IceCache(KVMethod):
         return st.buffer.attended_positions() if st.offloaded else st.pos
 
     def observe(self, st: IceState, q, fetched, selection) -> None:
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return
         if not st.offloaded and not st.dense and st.n_seen > self.index_threshold():
             self.offload(st, background=True)  # awaited at this layer's next step
@@ -397,14 +397,15 @@ class IceCache(KVMethod):
         nodes expanded: :meth:`~icecache.dci.MDCIIndex.search_stats`); none for a layer without an index."""
         return st.index.search_stats() if st.index is not None else {}
 
-    def resident_bound(self) -> int:
-        """Most resident past tokens allowed: the budget, or its union-merge extension (ablation)."""
-        return self.attended_tokens + (self.n_slots - self.layout()[2]) * self.page_size
+    def resident_bound(self, group: int) -> int:
+        """Most resident past tokens allowed for query groups of ``group`` heads: the budget, or its union-merge
+        extension (ablation)."""
+        return self.attended_tokens + (self.n_slots(group) - self.layout()[2]) * self.page_size
 
     def check_resident(self, st: IceState) -> None:
-        if self.is_budgeted(st.layer_idx) and not st.dense and self.resident_tokens(st) > self.resident_bound():
+        if self.is_budgeted(st) and not st.dense and self.resident_tokens(st) > self.resident_bound(st.spec.group):
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
-                                 f"tokens, over the bound of {self.resident_bound()} (budget {self.budget})")
+                                 f"tokens, over the bound of {self.resident_bound(st.spec.group)} (budget {self.budget})")
 
     def layer_memory(self, st: IceState) -> dict[str, int]:
         """An offloaded layer: on the device its resident buffer (sink + page slots + window: the budget's tokens)

@@ -73,7 +73,7 @@ class PageBounds:
         return bound.masked_fill(torch.from_numpy(page_valid == 0)[:, None], float("-inf"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class IceCacheReuse(IceCache):
     """IceCache(reuse) (official ``--n_reuse_layers``, ``infer_state.check_reuse``): an anchor layer's page
     selection is reused by
@@ -160,7 +160,7 @@ class IceCacheReuse(IceCache):
             raise RuntimeError(f"{self.name}: anchor layer {anchor.layer_idx} made no selection at this step")
         if not self.rerank:
             return anchor.selection
-        queries = q[:, 0].float().cpu().view(anchor.index.heads, self.spec.group, -1)  # [H_kv, G, d]
+        queries = q[:, 0].float().cpu().view(anchor.index.heads, st.spec.group, -1)  # [H_kv, G, d]
         cand = anchor.candidates.numpy()
         if self.own_candidates:
             cand = union_rows(cand, self.own_pages(st, queries, anchor))
@@ -188,7 +188,7 @@ class IceCacheReuse(IceCache):
         valid = torch.from_numpy((positions >= 0) & (cand >= 0)[..., None])
         rows = torch.from_numpy(np.where(valid.numpy(), positions - st.store.first_pos, 0))
         keys = st.store.keys()[torch.arange(h)[:, None, None], rows].float()  # [H_kv, C, s, d]
-        logits = torch.einsum("hgd,hcsd->hgcs", queries, keys) * self.spec.scaling
+        logits = torch.einsum("hgd,hcsd->hgcs", queries, keys) * st.spec.scaling
         logits = logits.masked_fill(~valid[:, None], float("-inf"))
         probs = logits.flatten(2).softmax(-1).view(logits.shape).nan_to_num(0.0)
         mass = probs.sum(-1).sum(1).masked_fill(torch.from_numpy(cand < 0), -1.0)  # [H_kv, C]
@@ -206,7 +206,7 @@ def union_rows(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
     """IceCache(reuse) with this project's extensions (``cache=icecache_reuse_rerank``), a registered variant of
     :class:`IceCacheReuse`: every deviation of :class:`~icecache.tuned.IceCacheTuned` (``page_size`` 8 below 256
@@ -228,5 +228,5 @@ class IceCacheReuseRerank(IceCacheTuned, IceCacheReuse):
 
     def __post_init__(self) -> None:
         if self.own_candidates is None and self.budget is not None:
-            self.own_candidates = 4 if 0 < self.budget < 256 else 0
+            object.__setattr__(self, "own_candidates", 4 if 0 < self.budget < 256 else 0)  # construction
         super().__post_init__()

@@ -8,7 +8,7 @@ from typing import ClassVar
 from icecache.method import IceCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class IceCacheTuned(IceCache):
     """IceCache with this project's small-budget choices (``cache=icecache_tuned``), a registered variant of
     :class:`IceCache`. The fields it changes (:attr:`deviations`); the scores behind each: docs/fidelity.md, "Why
@@ -40,5 +40,5 @@ class IceCacheTuned(IceCache):
 
     def __post_init__(self) -> None:
         if self.page_size is None and self.budget is not None:
-            self.page_size = 8 if 0 < self.budget < 256 else 16
+            object.__setattr__(self, "page_size", 8 if 0 < self.budget < 256 else 16)  # construction
         super().__post_init__()

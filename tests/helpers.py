@@ -173,7 +173,7 @@ def check_small_budget_holds(case: MethodCase) -> None:
                             generator=torch.Generator().manual_seed(0))
         out, cache = generate_with(model, ids, case.new_tokens, case.name, debug=True, **case.small)
         assert out.sequences.shape[1] == case.prompt_len + case.new_tokens
-        budgeted = [s.layer_idx for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+        budgeted = [s.layer_idx for s in cache.states if cache.method.is_budgeted(s)]
         assert budgeted, f"{case.name}: the small case must exercise budgeted layers"
     except (AssertionError, ValueError, TypeError) as err:
         if not case.derived:
@@ -276,3 +276,13 @@ def generate_twice(model, ids: torch.Tensor, method: str, **options) -> list[tup
         outs.append((out.sequences, torch.stack(out.logits)))
     return outs
 
+
+def replace_hook(method, name: str, fn) -> None:
+    """Replaces the hook ``name`` of this one method object by ``fn`` (a spy or a stand-in): methods are frozen
+    dataclasses, so a test sets the instance attribute past the frozen ``__setattr__``."""
+    object.__setattr__(method, name, fn)
+
+
+def restore_hook(method, name: str) -> None:
+    """Undoes :func:`replace_hook`: the method object uses its class's hook ``name`` again."""
+    object.__delattr__(method, name)

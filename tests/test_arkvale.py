@@ -2,6 +2,8 @@
 the budget mapping. Equality with full attention under a covering budget is tests/test_contract.py's."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -70,8 +72,8 @@ def test_official_digest_is_the_mean_deviation_box_and_not_a_bound():
 def build(budget=32, page_size=4, prompt=48, seed=0, **hp):
     """An ArkVale layer after a prefill of ``prompt`` random keys; returns (method, state, k, v)."""
     method = ArkVale(budget=budget, page_size=page_size, **hp)
-    method.bind(spec())
-    st = method.new_sequence().layers[0]
+    bound = method.bind(spec())
+    st = method.new_sequence(bound).layers[0]
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, prompt, 8, generator=g), torch.randn(2, prompt, 8, generator=g)
     method.fill(st, k, v, torch.randn(4, prompt, 8, generator=g))
@@ -187,5 +189,5 @@ def test_a_fractional_budget_it_cannot_take_is_a_config_error_that_says_so(tmp_p
 
 def test_dense_layers_keep_everything():
     method = ArkVale(budget=32, page_size=4, n_dense_layers=1)
-    method.bind(spec())
-    assert type(method.new_sequence().layers[0]) is LayerState and not method.is_budgeted(0) and method.is_budgeted(1)
+    dense, budgeted = method.new_sequence(method.bind(dataclasses.replace(spec(), n_layers=2))).layers
+    assert type(dense) is LayerState and not method.is_budgeted(dense) and method.is_budgeted(budgeted)

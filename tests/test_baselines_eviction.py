@@ -18,9 +18,9 @@ COVERING = PROMPT + NEW - 2  # past tokens at the last decode step: exactly the 
 
 def prefill(method, q, k, v):
     """Binds ``method`` to a one-layer model shaped like the inputs (scaling 1) and prefills it."""
-    method.bind(ModelSpec(n_layers=1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0], head_dim=q.shape[-1],
+    bound = method.bind(ModelSpec(n_layers=1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0], head_dim=q.shape[-1],
                           scaling=1.0, max_position=4096))
-    st = method.new_sequence().layers[0]
+    st = method.new_sequence(bound).layers[0]
     out = method.fill(st, k, v, q)
     return st, out
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_matches_full, build_tiny, generate_with
+from helpers import assert_matches_full, build_tiny, generate_with, replace_hook, restore_hook
 
 from baselines import magicpig as mp
 from baselines import omnikv as okv
@@ -37,7 +37,7 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("method,hp", COVERING, ids=[m for m, _ in COVERING])
 def test_budget_covering_context_matches_full(tiny_model, method, hp):
     cache = assert_matches_full(tiny_model, method, debug=True, **hp)
-    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s)]
     assert budgeted, "the configuration must exercise budgeted layers"
     if method.startswith("magicpig"):  # the sampled path (K = 0, weights 1) ran, it was not all exact
         assert all(s.store_k is not None and s.n_bits == 0 for s in budgeted)
@@ -49,7 +49,7 @@ def test_magicpig_all_candidates_with_exact_weights_matches_full():
     """K = 0 bits at a small budget: the exact part is small, every offloaded key is sampled with w = 1."""
     cache = assert_matches_full(build_tiny("tiny-llama", 2, 4), "magicpig", budget=16, calibrate=False, n_bits=0,
                                 local_window=6, debug=True)
-    sparse = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    sparse = [s for s in cache.states if cache.method.is_budgeted(s)]
     assert all(s.store_k.shape[1] == 48 - 4 - 6 for s in sparse)
 
 
@@ -118,13 +118,12 @@ def test_pq_joint_and_per_token_decodes_attend_the_same_mass():
     _, cache = generate_with(model, _ids(300), 6, "pqcache", budget=24, n_sink=4)
     method = cache.method
     per_token = pq.PQCache(budget=24, n_sink=4, joint_scores=False)
-    per_token.bind(method.spec)
-    q = torch.randn(method.spec.n_q_heads, 1, method.spec.head_dim, generator=torch.Generator().manual_seed(0))
+    q = torch.randn(cache.spec.n_q_heads, 1, cache.spec.head_dim, generator=torch.Generator().manual_seed(0))
     for st in cache.states:
         n_cand = method.n_candidates(st)
         joint, token = method.select(st, q), per_token.select(st, q)
-        want = pq.group_probs(pq.lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), method.spec.scaling,
-                              method.spec.n_kv_heads)
+        want = pq.group_probs(pq.lookup_scores(q[:, 0], st.centroids, st.codes[:, :n_cand]), cache.spec.scaling,
+                              cache.spec.n_kv_heads)
         torch.testing.assert_close(want.gather(1, joint - 4).sort(-1).values,
                                    want.gather(1, token - 4).sort(-1).values)
         ids = pq.joint_code_ids(st.codes[:, :n_cand], st.centroids.shape[2])
@@ -134,13 +133,13 @@ def test_pq_joint_and_per_token_decodes_attend_the_same_mass():
         assert torch.equal(st.code_mask, pq.candidate_mask(st.code_counts))
 
 
-def _extreme_unused_centroid_layer(method: pq.PQCache, n: int = 60):
+def _extreme_unused_centroid_layer(method: pq.PQCache, spec: ModelSpec, n: int = 60):
     """A decoding layer whose ``n`` candidates have distinct tuples of codes, none using centroid 0 of sub-vector
     0; every query head's sub-vector 0 has norm 10 along that centroid, scaled to norm 400: its logit stands ~1000
     nats above every used one, whose logits stay within a few nats (no ties, no underflow per token)."""
     gen = torch.Generator().manual_seed(7)
-    spec, c, half = method.spec, 2 ** method.n_bits, method.spec.head_dim // 2
-    st = method.new_sequence().layers[0]
+    c, half = 2 ** method.n_bits, spec.head_dim // 2
+    st = method.new_sequence(method.bind(spec)).layers[0]
     zeros = torch.zeros(spec.n_kv_heads, method.n_sink + n + method.recent, spec.head_dim)
     method.fill(st, zeros, zeros)  # resident: the sinks and the recent window; n candidates between them
     method.await_background(st)  # the codebook of the prompt, replaced below
@@ -162,9 +161,7 @@ def test_pq_joint_scores_stay_finite_with_an_extreme_unused_centroid():
     selection equals the per-token path's (distinct tuples: no ties)."""
     spec = ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=4096)
     joint, per_token = pq.PQCache(budget=24, n_bits=3), pq.PQCache(budget=24, n_bits=3, joint_scores=False)
-    for method in (joint, per_token):
-        method.bind(spec)
-    st, q = _extreme_unused_centroid_layer(joint)
+    st, q = _extreme_unused_centroid_layer(joint, spec)
     tables = torch.einsum("hgd,hcd->hgc", q[:, 0, :8].reshape(2, 2, 8), st.centroids[:, 0]) * spec.scaling
     assert (tables[..., 0] - tables[..., 1:].amax(-1) > 800).all()  # exp(-800) is 0 even in float64
     assert (tables[..., 1:].amax(-1) - tables[..., 1:].amin(-1) < 20).all()  # the used logits: a few nats
@@ -177,8 +174,7 @@ def test_pq_joint_scores_stay_finite_with_an_extreme_unused_centroid():
 def test_pq_joint_scores_refuse_a_non_finite_normaliser():
     spec = ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, scaling=0.25, max_position=4096)
     method = pq.PQCache(budget=24, n_bits=3)
-    method.bind(spec)
-    st, q = _extreme_unused_centroid_layer(method)
+    st, q = _extreme_unused_centroid_layer(method, spec)
     q[1, 0, 3] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite softmax normaliser"):
         method.select(st, q)
@@ -328,7 +324,7 @@ def test_omnikv_sparse_layers_attend_exactly_the_filter_selection():
     finally:
         for h in hooks:
             h.remove()
-    assert {i for i in range(6) if method.is_budgeted(i)} == {2, 4, 5}
+    assert {st.layer_idx for st in cache.states if method.is_budgeted(st)} == {2, 4, 5}
     n_q, n_kv = 4, 2
     d = model.config.hidden_size // n_q
 
@@ -365,11 +361,11 @@ def fill_looking(method, st, k, v, q, look) -> None:
         look(state)
         finish(state)
 
-    method.finish_prefill = looked
+    replace_hook(method, "finish_prefill", looked)
     try:
         method.fill(st, k, v, q)
     finally:
-        del method.finish_prefill
+        restore_hook(method, "finish_prefill")
 
 
 # ---------------------------------------------------------------------------------------- MagicPIG
@@ -381,8 +377,8 @@ def test_omnikv_sparse_layers_free_their_device_prefill_buffer():
     import weakref
 
     method = okv.OmniKV(budget=8, filter_layers=[0], wait_layers=0, debug=True)
-    method.bind(ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
-    states = method.new_sequence().layers
+    bound = method.bind(ModelSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
+    states = method.new_sequence(bound).layers
     g = torch.Generator().manual_seed(0)
     n = 500
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
@@ -414,8 +410,8 @@ def test_magicpig_store_is_the_prefill_memory_and_decoding_never_writes_into_it(
     the resident sinks, local window and generated tokens get buffers of their own, so the store still holds
     the prompt's middle tokens after decoding."""
     method = mp.MagicPIG(budget=24, local_window=6, dense_layers=[], calibrate=False, n_bits=3, n_tables=8)
-    method.bind(ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
-    st = method.new_sequence().layers[0]
+    bound = method.bind(ModelSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8, scaling=0.35, max_position=4096))
+    st = method.new_sequence(bound).layers[0]
     g = torch.Generator().manual_seed(0)
     n = 200
     q, k, v = (torch.randn(h, n, 8, generator=g) for h in (4, 2, 2))
@@ -565,8 +561,7 @@ def test_magicpig_sampled_part_is_unbiased_for_exact_attention_over_hash_draws()
     draws, mass, num, hits, weights = 400, 0.0, 0.0, 0.0, 0.0
     for seed in range(draws):
         method = mp.MagicPIG(budget=16, n_bits=2, n_tables=10, calibrate=False, seed=seed)
-        method.bind(spec)
-        st = mp.PigState(1)
+        st = method.new_sequence(method.bind(spec)).layers[1]
         st.store_k, st.store_v = store_k, store_v
         st.k, st.v = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 16, generator=g)
         method.build_index(st)
@@ -592,10 +587,10 @@ def test_magicpig_calibration_and_effective_tokens(name, local):
     model = build_tiny("tiny-llama", 2, 4)
     _, cache = generate_with(model, _ids(300), 8, name, budget=64, debug=True)
     method = cache.method
-    assert method.dense == {0, 2} and method.local == local
+    assert cache.bound.dense == {0, 2} and method.local == local
     for st in cache.states:
         eff = cache.effective_tokens()[st.layer_idx]
-        if st.layer_idx in method.dense:
+        if st.layer_idx in cache.bound.dense:
             assert eff == 300 + 3.0  # 7 decode steps: 0..6 generated past tokens
             continue
         assert st.n_bits > 0 and st.store_k.shape[1] == 300 - 4 - local
@@ -616,7 +611,7 @@ def test_deterministic_and_resident_budget_respected(method, hp):
         out, cache = generate_with(model, _ids(80), 10, method, debug=True, **hp)  # debug: asserts every step
         runs.append(out)
         for st in cache.states:
-            if cache.method.is_budgeted(st.layer_idx):
+            if cache.method.is_budgeted(st):
                 generated = st.n_seen - 80 if method != "pqcache" else 0  # OmniKV/MagicPIG keep them (exempt)
                 assert cache.method.resident_tokens(st) - generated <= 16
     assert torch.equal(runs[0].sequences, runs[1].sequences)
@@ -625,8 +620,8 @@ def test_deterministic_and_resident_budget_respected(method, hp):
 
 def test_seeds_change_the_randomised_parts():
     model = build_tiny("tiny-llama", 2, 4)
-    a = make_cache("magicpig", model, budget=16, seed=0).method.proj
-    b = make_cache("magicpig", model, budget=16, seed=1).method.proj
+    a = make_cache("magicpig", model, budget=16, seed=0).bound.proj
+    b = make_cache("magicpig", model, budget=16, seed=1).bound.proj
     assert not torch.equal(a, b)
 
 
@@ -665,7 +660,7 @@ def test_magicpig_records_k_and_expected_sample_size_per_layer():
     stats = cache.method_stats()
     assert set(stats) == {"lsh_bits", "expected_samples", "sample_target"}
     for st in cache.states:
-        if st.layer_idx in cache.method.dense:
+        if st.layer_idx in cache.bound.dense:
             assert stats["lsh_bits"][st.layer_idx] is None
             continue
         assert stats["lsh_bits"][st.layer_idx] == st.n_bits > 0
@@ -693,7 +688,7 @@ def test_magicpig_calibration_picks_the_smallest_k_whose_expected_sample_fits():
     sizes = [expected(bits) for bits in range(13)]
     for target_budget in (520, 300, 100, 40, 12, 7):
         method = mp.MagicPIG(budget=target_budget, n_tables=20, max_bits=12, local_window=2, calibrate=True)
-        method.bind(spec)
+        st.bound = method.bind(spec)
         target = method.sample_target
         fits = [bits for bits, size in enumerate(sizes) if size <= target]
         bits, size = method.choose_bits(st, centred, centred.norm(dim=-1))

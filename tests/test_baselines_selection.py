@@ -19,9 +19,9 @@ PROMPT, NEW = 48, 8
 
 def bind_and_prefill(method, q, k, v, layer_idx=0, scaling=0.5):
     """Binds ``method`` to a model shaped like the inputs and prefills one layer with ``n`` tokens."""
-    method.bind(ModelSpec(n_layers=layer_idx + 1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0],
+    bound = method.bind(ModelSpec(n_layers=layer_idx + 1, n_q_heads=q.shape[0], n_kv_heads=k.shape[0],
                           head_dim=q.shape[-1], scaling=scaling, max_position=4096))
-    st = method.new_sequence().layers[layer_idx]
+    st = method.new_sequence(bound).layers[layer_idx]
     method.fill(st, k, v, q)
     return st
 

@@ -180,9 +180,9 @@ def test_equal_dense_keeps_exactly_the_first_n_layers_dense_where_a_method_can()
         for method, label in row_set["cells"].items():
             cell = next(c for c in cells if c.label == label)
             built = cell.build(256)
-            built.bind(spec)
-            assert floor.dense_layers(built, 6) == (n, "is_budgeted"), label
-            assert not any(built.is_budgeted(i) for i in range(n)), label  # the first n layers, not any n
+            layers = built.new_sequence(built.bind(spec)).layers
+            assert floor.dense_layers(built, spec) == n, label
+            assert not any(built.is_budgeted(st) for st in layers[:n]), label  # the first n layers, not any n
     zero, two = conf["row_sets"]["dense=0"], conf["row_sets"]["dense=2"]
     assert conf["cells"]["magicpig[dense=2]"]["equal_dense"] == {"dense_layers": [0, 1]}
     assert conf["cells"]["arkvale[dense=0]"]["options"] == {"n_dense_layers": 0, "n_sink_pages": 1, "page_topks": 32}

@@ -45,19 +45,14 @@ def test_a_row_measured_without_floor_inputs_has_no_floor_and_repeats_keep_no_de
     assert not set(floor.FLOOR_KEYS) & set(floor.without_floor(full)) and full["floor_s"] is not None
 
 
-def test_dense_layers_come_from_the_bound_method_and_unreadable_ones_count_zero():
+def test_dense_layers_are_those_the_method_bound_to_the_model_leaves_unbudgeted():
     model = build_tiny(n_layers=4)
     spec = floor.model_spec(model)
-    ice = make_method("icecache", budget=64)
-    ice.bind(spec)
-    assert floor.dense_layers(ice, 4) == (2, "is_budgeted")  # IceCache's n_dense_layers = 2
-    full = make_method("full", budget=None)
-    full.bind(spec)
-    assert floor.dense_layers(full, 4) == (4, "is_budgeted")
-    omni = make_method("omnikv", budget=64)  # its layer roles exist only once bound
-    assert floor.dense_layers(omni, 4) == (0, "unreadable: 0")
-    omni.bind(spec)
-    assert floor.dense_layers(omni, 4) == (sum(not omni.is_budgeted(i) for i in range(4)), "is_budgeted")
+    assert floor.dense_layers(make_method("icecache", budget=64), spec) == 2  # IceCache's n_dense_layers = 2
+    assert floor.dense_layers(make_method("full", budget=None), spec) == 4
+    omni = make_method("omnikv", budget=64)  # its layer roles come from the model's depth
+    roles = omni.bind(spec).roles
+    assert floor.dense_layers(omni, spec) == sum(role != "sparse" for role, _ in roles.values()) > 0
 
 
 def test_exact_attention_is_timed_over_budget_keys_in_the_models_shape(monkeypatch):
@@ -143,7 +138,7 @@ def test_the_benchmark_writes_each_cells_floor_and_its_inputs(tmp_path, capsys):
     result = json.loads(out.read_text())
     full, ice = result["full"]["200"], result["icecache"]["200"]
     assert (full["n_dense_layers"], ice["n_dense_layers"], ice["n_layers"]) == (4, 2, 4)
-    assert ice["dense_layers_rule"] == "is_budgeted" and ice["exact_attention_s"] > 0
+    assert ice["exact_attention_s"] > 0
     assert ice["floor_s"] == pytest.approx(full["breakdown"]["other"] + full["breakdown"]["attention"] / 2
                                            + 2 * ice["exact_attention_s"])
     assert full["floor_s"] == pytest.approx(full["breakdown"]["other"] + full["breakdown"]["attention"])

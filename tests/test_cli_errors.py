@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from run import settings_first
+from run import options_of_swept_groups, settings_first
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,22 @@ def test_a_sweep_with_m_after_the_settings_runs_and_leaves_no_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]  # no multirun/<date>/<time>/, no outputs/
     assert sorted(p.name.split("-")[1] for p in (tmp_path / "r" / "passkey" / "tiny-llama").iterdir()) == ["b32", "b64"]
+
+
+def test_a_sweep_over_methods_takes_an_option_they_share(tmp_path):
+    """Hydra composes a multirun's first config with the default cache (full), which has no budget_layout: the
+    option reaches both jobs, and a swept method that lacks it is still refused before anything runs."""
+    argv = ["cache=icecache,page_oracle", "cache.budget_layout=fixed", "cache.n_sink_pages=0", "budget=64", "-m"]
+    assert options_of_swept_groups(argv) == ["cache=icecache,page_oracle", "++cache.budget_layout=fixed",
+                                             "++cache.n_sink_pages=0", "budget=64", "-m"]
+    assert options_of_swept_groups(argv[:3]) == argv[:3]  # one run: written as given
+    proc = run_py(tmp_path, *argv, "limit=1", "eval.depths=1", "eval.lengths=[128]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted((tmp_path / "r" / "passkey" / "tiny-llama").iterdir())
+    assert [p.name.split("-")[0] for p in runs] == ["icecache", "page_oracle"]
+    assert all("budget_layout: fixed" in (p / "config.yaml").read_text() for p in runs)
+    refused = run_py(tmp_path / "r", "-m", "cache=icecache,full", "cache.budget_layout=fixed")
+    assert refused.returncode == 2 and "budget_layout" in refused.stderr and "cache=full" in refused.stderr
 
 
 def test_a_budget_covering_a_1k_prompt_warns_in_one_line_and_is_flagged(tmp_path):

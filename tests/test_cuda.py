@@ -126,7 +126,7 @@ def test_covering_budget_equals_full_attention_in_bf16(method, model_name):
     cache = make_cache(method, model, budget=budget, debug=True, **hp)
     try:
         got = teacher_forced_logits(model, cache, ref.sequences, prompt_len)
-        budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+        budgeted = [s for s in cache.states if cache.method.is_budgeted(s)]
     finally:
         cache.close()
     worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got))

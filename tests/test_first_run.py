@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny
+from helpers import build_tiny, replace_hook
 
 from evals import runner
 from evals.registry import make_method
@@ -84,10 +84,10 @@ def test_warm_up_leaves_the_method_the_outputs_and_the_random_state_as_they_were
         rng = torch.get_rng_state()
         method.warm_up(compat.model_spec(model), len(ids))
         assert torch.equal(rng, torch.get_rng_state())
-        assert method.spec is None and method == make_method(name, budget=64)
+        assert method == make_method(name, budget=64)
         warm = runner.generate(model, None, method, ids, 8, ignore_eos=True)
         cold = make_method(name, budget=64)
-        cold.warm_up = lambda spec, n: None
+        replace_hook(cold, "warm_up", lambda spec, n: None)
         assert runner.generate(model, None, cold, ids, 8, ignore_eos=True).token_ids == warm.token_ids
 
 

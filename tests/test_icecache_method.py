@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ICECACHE_EXHAUSTIVE, assert_matches_full, build_tiny, generate_with
+from helpers import ICECACHE_EXHAUSTIVE, assert_matches_full, build_tiny, generate_with, replace_hook
 
 from evals.config import compose_config
 from evals.registry import make_method
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_covering_budget_through_the_index_matches_full(tiny_model, method):
     cache = assert_matches_full(tiny_model, method, budget=256, prompt_len=200, new_tokens=8, debug=True,
                                 **EXHAUSTIVE)
-    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s)]
     assert budgeted and all(s.offloaded and s.bytes_moved > 0 for s in budgeted)
     anchors = [s for s in budgeted if cache.method.builds_index(s.layer_idx)]
     assert all(s.index is not None for s in anchors)
@@ -51,9 +51,9 @@ def test_short_prompt_offloads_on_the_background_worker_once_generation_outgrows
     layer keeps the budget from then on (``debug=True`` checks it every step)."""
     m = make_method(method, budget=64, page_size=8, debug=True)
     submitted, submit = [], m.submit_background
-    m.submit_background = lambda st, fn, *args: (submitted.append(st.n_seen), submit(st, fn, *args))
+    replace_hook(m, "submit_background", lambda st, fn, *args: (submitted.append(st.n_seen), submit(st, fn, *args)))
     out, cache = generate_with(build_tiny("tiny-llama", 2, 4), torch.randint(0, 256, (1, 60)), 20, m)
-    budgeted = [s for s in cache.states if m.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if m.is_budgeted(s)]
     assert all(s.offloaded for s in budgeted) and submitted == [65] * len(budgeted)
     assert max(m.resident_tokens(s) for s in budgeted) <= 64
 
@@ -101,9 +101,9 @@ def test_official_prefill_pipeline_keeps_one_build_in_flight_and_returns_with_ev
         slow(st, *args)
         events.append(("done", st.layer_idx))
 
-    m.offload_job = offload_job
+    replace_hook(m, "offload_job", offload_job)
     submit = m.submit_background
-    m.submit_background = lambda st, fn, *args: (events.append(("queued", st.layer_idx)), submit(st, fn, *args))
+    replace_hook(m, "submit_background", lambda st, fn, *args: (events.append(("queued", st.layer_idx)), submit(st, fn, *args)))
     model = build_tiny("tiny-llama", 2, 4, n_layers=6)
     cache = KVCache.for_model(m, model)
     try:
@@ -112,7 +112,7 @@ def test_official_prefill_pipeline_keeps_one_build_in_flight_and_returns_with_ev
         after_prefill = list(events)
     finally:
         cache.close()
-    budgeted = [i for i in range(6) if m.is_budgeted(i)]
+    budgeted = [s.layer_idx for s in cache.states if m.is_budgeted(s)]
     if pipeline == "official":
         assert after_prefill == [e for i in budgeted for e in (("queued", i), ("done", i))]
     else:
@@ -220,8 +220,8 @@ class Driver:
         """``copy = (dst, src)``: prompt keys at positions ``dst`` are copies of those at ``src``."""
         self.gen = torch.Generator().manual_seed(seed)
         self.method, self.timer = method, PhaseTimer()
-        method.bind(SPEC)
-        self.states = dict(enumerate(method.new_sequence().layers))
+        bound = method.bind(SPEC)
+        self.states = dict(enumerate(method.new_sequence(bound).layers))
         self.k = {i: torch.randn(H_KV, prompt, D, generator=self.gen) for i in (2, 3)}
         if copy is not None:
             for i in (2, 3):
@@ -277,7 +277,7 @@ def test_attends_exactly_sink_selected_pages_and_window(method):
         attended[st.layer_idx] = m.attended_positions(st)
         return attend(st, q, fetched)
 
-    m.attend = spy
+    replace_hook(m, "attend", spy)
     evictions = 0
     for _ in range(40):
         before = drv.states[2].win_start
@@ -386,7 +386,7 @@ def test_rerank_attends_the_candidates_with_the_most_attention_of_the_layer():
             masses.append((page, tokens))
         every = torch.cat([t for _, t in masses])
         mass = {}
-        for qh in range(h * m.spec.group, (h + 1) * m.spec.group):
+        for qh in range(h * SPEC.group, (h + 1) * SPEC.group):
             probs = torch.softmax((drv.k[3][h, every].double() @ q3[qh, 0].double()) * SPEC.scaling, -1)
             split = torch.split(probs, [len(t) for _, t in masses])
             for (page, _), p in zip(masses, split):
@@ -422,7 +422,7 @@ def test_union_merge_attends_the_group_union():
     for h in range(H_KV):
         union = set(pages[2 * h: 2 * h + 2].flatten().tolist()) - {-1}
         assert set(st.selection[h].tolist()) - {-1} == union
-    assert m.resident_bound() == 128 + 4 * 16
+    assert m.resident_bound(SPEC.group) == 128 + 4 * 16
 
 
 # ------------------------------------------------------------------------------------ model level
@@ -433,11 +433,11 @@ def test_resident_set_stays_within_budget_over_a_long_generation(method, prompt)
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
     # short_prompt="offload" (the tuned variants'): the 40-token prompt is indexed once the context outgrows 64
     _, cache = generate_with(model, ids, 40, method, budget=64, debug=True, short_prompt="offload")
-    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s)]
     assert all(s.offloaded for s in budgeted)
     assert cache.max_budgeted_resident() <= 64
     effective = cache.effective_tokens()
-    assert all(e <= 64 for s, e in zip(cache.states, effective) if cache.method.is_budgeted(s.layer_idx))
+    assert all(e <= 64 for s, e in zip(cache.states, effective) if cache.method.is_budgeted(s))
     assert effective[0] == pytest.approx(prompt + 19)  # dense layers attend everything (39 steps)
 
 
@@ -584,12 +584,12 @@ def test_default_configuration_keeps_every_head_within_every_budget(method, smal
         most, attend = {}, m.attend
 
         def spy(st, q, fetched, m=m, most=most, attend=attend):
-            if m.is_budgeted(st.layer_idx):
+            if m.is_budgeted(st):
                 per_head = fetched.valid.sum(-1) - 1 if fetched.valid is not None else torch.tensor([fetched.k.shape[1] - 1])
                 most[st.layer_idx] = max(most.get(st.layer_idx, 0), int(per_head.max()))
             return attend(st, q, fetched)
 
-        m.attend = spy
+        replace_hook(m, "attend", spy)
         generate_with(model, ids, 20, m)
         assert most and max(most.values()) <= budget, (budget, most)
 
@@ -609,8 +609,8 @@ def test_jobs_run_inline_when_the_prefill_uses_every_core_with_the_same_output_a
         seen = []
         m = make_method("icecache", budget=64, page_size=8)
         job = m.offload_job
-        m.offload_job = lambda st, *args: (seen.append(threading.current_thread() is threading.main_thread()),
-                                           job(st, *args))
+        replace_hook(m, "offload_job", lambda st, *args: (seen.append(threading.current_thread() is threading.main_thread()),
+                                  job(st, *args)))
         outputs[mode] = generate_with(model, ids, 8, m)[0].sequences
         assert seen and all(seen) == (mode == "inline") and any(seen) == (mode == "inline")
     assert torch.equal(outputs["inline"], outputs["thread"])

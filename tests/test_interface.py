@@ -7,7 +7,7 @@ from helpers import assert_matches_full, build_tiny, generate_reference, generat
 
 from baselines.streaming_llm import StreamingLLM, rotate_by
 from evals.registry import make_cache, make_method
-from icecache.kv import BudgetError, LayerState, ModelSpec, compat
+from icecache.kv import BudgetError, ModelSpec, compat
 from icecache.kv.attention import attend
 from icecache.kv.timing import PhaseTimer
 
@@ -37,8 +37,7 @@ def test_streaming_llm_attends_exactly_sinks_and_recent_tokens():
     torch.manual_seed(0)
     spec, budget, n_sink = _spec(), 12, 4
     method = StreamingLLM(budget=budget, n_sink=n_sink, rerotate=False, debug=True)  # original positions
-    method.bind(spec)
-    st, timer = LayerState(0), PhaseTimer()
+    st, timer = method.new_sequence(method.bind(spec)).layers[0], PhaseTimer()
     L = 30
     k_all, v_all = torch.randn(2, 50, 8), torch.randn(2, 50, 8)
     method.fill(st, k_all[:, :L], v_all[:, :L], torch.randn(4, L, 8))
@@ -90,8 +89,7 @@ def test_rerotated_keys_are_the_models_keys_at_the_cache_positions(name):
     raw = torch.randn(2, 7, d)
     pos = torch.tensor([0, 1, 50, 51, 52, 53, 54])  # 2 sinks, then a recent window ending at the query
     method = StreamingLLM(budget=6, n_sink=2, rerotate=True)
-    method.bind(spec)
-    st = LayerState(0)
+    st = method.new_sequence(method.bind(spec)).layers[0]
     st.k, st.v, st.pos = rope(raw, pos), torch.randn(2, 7, d), pos
     fetched = method.fetch(st, None)
     shifted = torch.arange(7) + (54 - 6)

@@ -256,13 +256,13 @@ def test_icecache_decode_syncs_only_for_the_index(monkeypatch):
     copies only the evicted window page to the host, once per eviction (K and V in one copy) — no
     accounting ``.item()``, no second copy of the page for the index insert."""
     cache, counter = _decode(monkeypatch, "icecache", 64, page_size=8, n_dense_layers=2)
-    budgeted = [s for s in cache.states if cache.method.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if cache.method.is_budgeted(s)]
     assert budgeted and all(s.offloaded for s in budgeted)
     evictions = len(budgeted) * (40 // 8)  # one 8-token page leaves the window every 8 steps, per layer
     other = counter.outside("select")
     assert other == [("update", "cpu")] * len(other) and abs(len(other) - evictions) <= len(budgeted)
     effective = cache.effective_tokens()
-    assert all(e <= 64 for s, e in zip(cache.states, effective) if cache.method.is_budgeted(s.layer_idx))
+    assert all(e <= 64 for s, e in zip(cache.states, effective) if cache.method.is_budgeted(s))
 
 
 def test_icecache_host_count_of_attended_tokens_equals_the_mask():

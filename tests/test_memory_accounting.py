@@ -42,7 +42,7 @@ def test_full_holds_every_token_on_the_device(model, one_thread):
 def test_icecache_device_bytes_are_the_budget_plus_the_dense_layers(model, one_thread):
     cache = run(model, "icecache", budget=64)  # 16-token pages: 1 sink + 1 retrieved + 2 window pages
     memory, method = cache.memory_bytes(), cache.method
-    budgeted = [s for s in cache.states if method.is_budgeted(s.layer_idx)]
+    budgeted = [s for s in cache.states if method.is_budgeted(s)]
     assert len(budgeted) == LAYERS - method.n_dense_layers == 2 and all(s.offloaded for s in budgeted)
     transit = len(budgeted) * 2 * H_KV * method.layout()[2] * method.page_size * HEAD_DIM * 4  # K and V of every slot
     assert memory["transit_bytes"] == transit
@@ -71,7 +71,7 @@ def test_arkvale_device_bytes_are_its_page_slots(model, one_thread):
 def test_magicpig_keeps_sinks_local_and_generated_tokens_on_the_device(model, one_thread):
     cache = run(model, "magicpig", budget=64)
     memory, method = cache.memory_bytes(), cache.method
-    sparse = [s.layer_idx for s in cache.states if method.is_budgeted(s.layer_idx)]
+    sparse = [s.layer_idx for s in cache.states if method.is_budgeted(s)]
     exact = method.n_sink + method.local
     assert memory["device_kv_bytes"] == ((LAYERS - len(sparse)) * CONTEXT + len(sparse) * (exact + NEW - 1)) * PER_TOKEN
     assert memory["host_kv_bytes"] == len(sparse) * (PROMPT - exact) * PER_TOKEN and memory["index_bytes"] > 0

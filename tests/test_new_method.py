@@ -32,7 +32,7 @@ from icecache.kv import BudgetError, KVMethod, LayerState
 from icecache.kv.storage import evict_slot, keep_sinks_and_recent
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecentOnly(KVMethod):
     """The most recent ``budget`` past tokens.
 
@@ -51,7 +51,7 @@ class RecentOnly(KVMethod):
             evict_slot(st, st.pos.argmin())
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecentPages(RecentOnly):
     """Recent tokens in a budget of whole ``page_size``-token pages: no budget covering the contract's short
     context is valid, so its derived case does not fit."""

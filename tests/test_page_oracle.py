@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_SHAPES, assert_matches_full, build_tiny
+from helpers import TINY_SHAPES, assert_matches_full, build_tiny, replace_hook
 
 from evals.registry import make_method
 from evals.runner import generate
@@ -90,12 +90,12 @@ class Checker:
         if selection is None:
             return
         k = method.layout()[2]
-        group = method.spec.group
+        group = st.spec.group
         width = k
         if method.gqa_merge in ("mass", "max"):
             width = max(k, method.gqa_candidates or group * k)
         lists = reference_lists(q[:, 0], st.index.page_positions(), self.keys[st.layer_idx], group, width)
-        expected = reference_merge(lists, group, k, method.gqa_merge, method.spec.scaling)
+        expected = reference_merge(lists, group, k, method.gqa_merge, st.spec.scaling)
         got = [[p for p in row if p >= 0] for row in selection.tolist()]
         assert got == expected, f"layer {st.layer_idx} at {st.n_seen}: {got} != {expected}"
         self.checked += 1
@@ -135,9 +135,9 @@ def drive(name: str, prompt: int = 800, steps: int = 40, seed: int = 0, **hp):
     from baselines.page_oracle import exact_page_scores
 
     m = make_method(name, **hp)
-    m.bind(SPEC)
+    bound = m.bind(SPEC)
     gen = torch.Generator().manual_seed(seed)
-    st = m.new_sequence().layers[2]
+    st = m.new_sequence(bound).layers[2]
     m.fill(st, torch.randn(H_KV, prompt, D, generator=gen), torch.randn(H_KV, prompt, D, generator=gen),
            torch.randn(H_Q, prompt, D, generator=gen))
     searched, search = [], m.search_pages
@@ -148,7 +148,7 @@ def drive(name: str, prompt: int = 800, steps: int = 40, seed: int = 0, **hp):
         searched.append((queries, pages, scores, exact))
         return pages, scores
 
-    m.search_pages = spy
+    replace_hook(m, "search_pages", spy)
     timer, steps_out = PhaseTimer(), []
     for _ in range(steps):
         q = torch.randn(H_Q, 1, D, generator=gen)

@@ -68,7 +68,7 @@ def test_resident_set_never_exceeds_the_budget(method):
     finally:
         cache.close()
     if method != "full":
-        layers = [i for i in range(model.config.num_hidden_layers) if cache.method.is_budgeted(i)]
+        layers = cache.budgeted_layers()
         effective = cache.effective_tokens()
         assert layers, f"{method} budgets no layer"
         assert all(effective[i] <= SMALL_BUDGET + 40 for i in layers)

@@ -51,7 +51,7 @@ def test_smollm2_streaming_llm_small_budget_changes_the_output(smollm2):
     assert worst > 1e-2
 
 
-@dataclass
+@dataclass(frozen=True)
 class QueryRecorder(FullCache):
     """Full attention that also keeps each layer's post-RoPE prompt queries (``state.q``)."""
 
@@ -76,8 +76,8 @@ def test_smollm2_magicpig_estimator_error_against_exact_attention(smollm2):
         for layer in (5, 10, 20, 28):
             q, k, v = recorder.states[layer].q, recorder.states[layer].k, recorder.states[layer].v
             method = MagicPIG(budget=budget, calibrate=True, shrink_local=True)  # magicpig_calibrated
-            method.bind(recorder.spec)
-            st = method.new_sequence().layers[layer]
+            bound = method.bind(recorder.spec)
+            st = method.new_sequence(bound).layers[layer]
             method.fill(st, k[:, :n], v[:, :n], q[:, :n])
             err, exact_part_err = 0.0, 0.0
             for t in range(n, n + 8):

@@ -63,6 +63,12 @@ def test_table_has_each_method_budget_score_misses_and_search_fraction(folder):
     assert any(line.startswith("| topk[n_dense_layers=2] | 100 [") for line in lines)  # non-default options only
 
 
+def test_without_intervals_the_table_still_counts_its_samples(folder):
+    text = tables.render(folder, draws=0)  # --draws 0: no predictions read, no pairing
+    assert "n = 5 samples per run" in text
+    assert next(line for line in text.splitlines() if line.startswith("| icecache |")).split(" | ")[1] == "60 [-, -]"
+
+
 def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tmp_path):
     copy = tmp_path / "archived"
     written = archive.archive(folder, copy)

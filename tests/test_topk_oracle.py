@@ -83,7 +83,7 @@ def test_dense_layers_attend_everything_and_the_others_exactly_the_top_b():
     for layer in range(4):
         q, keys, _, _ = steps[layer]
         dense = layer < 2
-        assert method.is_budgeted(layer) is not dense
+        assert method.is_budgeted(cache.states[layer]) is not dense
         expected = [set(range(n + 1))] * H_Q if dense else reference_sets(q, keys, budget)
         check_step(method, cache, steps, layer, expected)
     assert cache.effective_tokens() == [n, n, budget, budget]  # timing.json's effective_tokens_per_layer
@@ -115,7 +115,7 @@ def test_defaults_are_the_pure_oracle():
     cache, steps = one_step(method, 2, 30)
     for layer in range(2):
         q, keys, _, _ = steps[layer]
-        assert method.is_budgeted(layer)
+        assert method.is_budgeted(cache.states[layer])
         check_step(method, cache, steps, layer, reference_sets(q, keys, 10))
 
 
@@ -154,8 +154,8 @@ def test_offline_and_live_topk_agree_on_the_last_prompt_key():
     assert (live == n - 1).any(-1).all()  # live, every head attends the last prompt key
 
     offline_method = TopKOracle(budget=budget)
-    offline_method.bind(spec(1))
-    st = offline_method.new_sequence().layers[0]
+    bound = offline_method.bind(spec(1))
+    st = offline_method.new_sequence(bound).layers[0]
     offline_method.fill(st, keys, values)
     offline = attended_mask(offline_method, st, q[:, None], n)
     live_prompt = [sorted(int(p) for p in row if p < n) for row in live]

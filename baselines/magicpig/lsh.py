@@ -4,13 +4,12 @@ query's colliding keys.
 
 Precision follows the official code: the projections are one Gaussian matrix in the model's dtype
 (``hash_func = torch.randn(head_dim, K * L, dtype=bfloat16)``), the centred keys are hashed in that dtype and
-codes are int16 (int32 here when ``K > 15``). On a CPU with AVX512-BF16 the bf16 product is ~4x faster than
-fp32 (one layer's 8k keys at K = 11, L = 150: 7-8 vs 30 ms, 2 threads, "AMD EPYC" family 26); a model run in
-fp32 hashes in fp32. The tables are most of MagicPIG's memory (3 x 150 x 8k entries per layer at 8k tokens), and
-on a VM a freshly touched page costs 5-8 us (~0.2 s of TT2T per 100 MB at 8k), so they are kept small: key ids
-int16 while the store holds at most 2^15 keys (the official int32 beyond), and on CPU the buckets as offsets
-(``2^K + 1`` per table) instead of the sorted codes (``n`` per table) whenever ``2^K <= n``
-(:class:`BucketTables`).
+codes are int16 (int32 here when ``K > 15``). On a CPU with AVX512-BF16 the bf16 product is several times
+faster than fp32 (docs/fidelity.md, "MagicPIG", "Implementation"); a model run in fp32 hashes in fp32. The tables
+are most of MagicPIG's memory (3 x 150 x 8k entries per layer at 8k tokens), and on a VM every freshly touched
+page adds to the TT2T (same section), so they are kept small: key ids int16 while the store holds at most 2^15
+keys (the official int32 beyond), and on CPU the buckets as offsets (``2^K + 1`` per table) instead of the sorted
+codes (``n`` per table) whenever ``2^K <= n`` (:class:`BucketTables`).
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ def simhash(x: torch.Tensor, proj: torch.Tensor, matrix: torch.Tensor | None = N
 def _pack_sign_bits(product, n_tables, n_bits, codes, offset):
     """``codes[l, offset + r]`` = the sign bits of bit-major ``product[r]`` (floats read as same-width signed
     ints: ``> 0`` exactly for positive floats). Bits outer, tables inner (a contiguous inner loop); 16 rows'
-    codes are gathered before they are written, 16 consecutive codes per table (a code at a time, 150 scattered
-    stores per row, took 3.7x as long)."""
+    codes are gathered before they are written, 16 consecutive codes per table, much faster than writing a code
+    at a time, ``L`` scattered stores per row (docs/fidelity.md, "MagicPIG", "Implementation")."""
     block = np.zeros((16, n_tables), dtype=codes.dtype)
     for r0 in range(0, product.shape[0], 16):
         r1 = min(product.shape[0], r0 + 16)
@@ -113,7 +112,8 @@ class BucketTables:
 def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> BucketTables:
     """:class:`BucketTables` of ``codes [H_kv, L, n]`` (the official ``build_table``; key ids in :func:`id_dtype`).
     On CPU with ``2^K <= n``: a stable counting sort over the ``2^K`` buckets (:func:`_bucket_sort`, bucket
-    offsets; one layer's 8k keys at ``L = 150, K = 11``: 90-100 ms with ``torch.sort``); else a stable
+    offsets), faster than ``torch.sort`` for the tables' sizes (docs/fidelity.md, "MagicPIG",
+    "Implementation"); else a stable
     ``torch.sort`` (sorted codes). ``n_bits`` (``K``) defaults to the bits the largest code needs."""
     codes = codes.contiguous()
     n = codes.shape[-1]
@@ -133,8 +133,8 @@ def build_tables(codes: torch.Tensor, n_bits: int | None = None) -> BucketTables
 def _bucket_sort(codes, order, offsets):
     """Stable counting sort of each row of ``codes`` (values in ``[0, n_buckets)``, ``n_buckets = offsets.shape[1]
     - 1``): histogram, prefix sums (the row's ``offsets``), key ids scattered to their bucket's next slot; O(n +
-    2^K) per row. Two rows at a time, so that two independent chains of counter updates overlap (one row at a
-    time: 2x as long; an odd last row is paired with itself, both chains then write the same values)."""
+    2^K) per row. Two rows at a time, so that two independent chains of counter updates overlap (faster than one
+    row at a time; an odd last row is paired with itself, both chains then write the same values)."""
     n, n_buckets = codes.shape[1], offsets.shape[1] - 1
     start = np.empty((2, n_buckets + 1), dtype=np.int32)
     for r0 in range(0, codes.shape[0], 2):

@@ -35,9 +35,10 @@ most ``B - n_sink - local`` (``calibrate``; the reference calibrates ``(K, L)`` 
 ``K`` per layer on the prompt at ``L`` fixed). Either way the chosen ``K`` and the expected sample size
 of every sparse layer (and, when calibrating, its target) are recorded (:meth:`MagicPIG.layer_stats`, ``timing.json``
 ``method_stats``, mean over samples), and when no ``K <= max_bits`` meets the target, calibration uses
-``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged. Measured
-on SmolLM2-135M keys at 2k tokens (docs/fidelity.md): relative attention-output error 0.09-0.16 per layer at
-budget 256 (calibrated K = 9) and 0.15-0.38 for the official K = 10, against 0.25-0.96 for the exact part alone.
+``max_bits`` and warns once. The effective tokens (exact part + actual ``|S_h|``) are logged. On
+SmolLM2-135M keys the calibrated ``K`` spends a larger budget and lowers the attention-output error, where the
+official ``K = 10`` stays at its small-budget error, and both stay well below the exact part alone's
+(docs/fidelity.md, "MagicPIG", the attention-output error table).
 "Budget covers the context" for MagicPIG: when every offloaded token fits the sample target, ``K = 0``
 is chosen, every key collides in every table, ``w_j = 1`` and the method attends everything exactly.
 """
@@ -50,7 +51,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from icecache.kv import BudgetError, Fetched, KVMethod, LayerState, ModelSpec
+from icecache.kv import Bound, BudgetError, Fetched, KVMethod, LayerState, ModelSpec
 from icecache.kv.attention import attention_logits, expand_heads
 from icecache.kv.base import tensor_bytes
 from icecache.kv.state import spare_cpu_share
@@ -143,7 +144,23 @@ class PigState(LayerState):
         self.calib_q: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
+class PigBound(Bound):
+    """MagicPIG's values for one model: the ``dense`` layer ids, the SimHash projections ``proj [d, L, bits]``,
+    where the tables are built (``background_build``), the bit-major projection matrices computed so far
+    (``matrices``, per ``(K, dtype)``) and the warnings already given (``warned``)."""
+
+    dense: frozenset
+    proj: torch.Tensor
+    background_build: bool
+    matrices: dict = field(default_factory=dict, repr=False, compare=False)
+    warned: set = field(default_factory=set, repr=False, compare=False)
+
+    def settings(self) -> dict:
+        return {"dense_layers": sorted(self.dense), "background_build": self.background_build}
+
+
+@dataclass(frozen=True)
 class MagicPIG(KVMethod):
     """LSH (SimHash) sampling of the offloaded keys + exact sinks/local/generated, merged by LSE.
 
@@ -182,11 +199,6 @@ class MagicPIG(KVMethod):
     background_build: bool | None = None
     name: ClassVar[str] = "magicpig"
     example_budget: ClassVar[int] = 128
-    # resolved from the model by bind (the same for every sequence), and a warn-once flag
-    dense: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
-    proj: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _warned_target: bool = field(default=False, init=False, repr=False, compare=False)
-    _matrices: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (K, dtype) -> bit-major
 
     @property
     def local(self) -> int:
@@ -217,38 +229,35 @@ class MagicPIG(KVMethod):
         if self.dense_layers is not None and not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"magicpig: dense_layers must be layer ids (whole numbers >= 0), got {self.dense_layers}")
 
-    def bind(self, spec: ModelSpec) -> None:
-        super().bind(spec)
+    def bind(self, spec: ModelSpec) -> PigBound:
+        """The dense layers (scaled to the model's depth when ``None``), the SimHash projections drawn from
+        ``seed`` for the model's head size, and where the tables are built (``background_build=None``: on the
+        background worker when the prefill leaves a core idle; where, never what: the tables are equal)."""
         layers = self.dense_layers
         if layers is None:
             layers = scaled_layers(OFFICIAL_DENSE_LAYERS, spec.n_layers)
-        self.dense = frozenset(int(i) for i in layers)
         generator = torch.Generator().manual_seed(self.seed)
         bits = max(self.n_bits, self.max_bits if self.calibrate else 0)
-        self.proj = torch.randn(spec.head_dim, self.n_tables, bits, generator=generator)
-        self._matrices.clear()
-
-    def bound_settings(self) -> dict:
-        """The dense layers (scaled to the model's depth when ``None``) and where the tables are built (``None``:
-        on the background worker when the prefill leaves a core idle; where, never what: the tables are equal)."""
         background = self.background_build
         if background is None:
-            background = spare_cpu_share(self.spec.device) > 0
-        return {"dense_layers": sorted(self.dense), "background_build": background}
+            background = spare_cpu_share(spec.device) > 0
+        return PigBound(spec, frozenset(int(i) for i in layers),
+                        torch.randn(spec.head_dim, self.n_tables, bits, generator=generator), background)
 
-    def hash_codes(self, x: torch.Tensor, n_bits: int) -> torch.Tensor:
+    @staticmethod
+    def hash_codes(st: PigState, x: torch.Tensor, n_bits: int) -> torch.Tensor:
         """SimHash codes ``[..., L]`` of ``x`` with the first ``n_bits`` projections of each table, computed in
-        ``x``'s dtype (the bit-major projection matrix kept per ``(K, dtype)``)."""
-        key = (n_bits, x.dtype)
-        if key not in self._matrices:
-            self._matrices[key] = bit_major(self.proj[..., :n_bits], x.dtype)
-        return simhash(x, self.proj[..., :n_bits], self._matrices[key])
+        ``x``'s dtype (the bit-major projection matrix kept per ``(K, dtype)`` by the model's bound values)."""
+        bound, key = st.bound, (n_bits, x.dtype)
+        if key not in bound.matrices:
+            bound.matrices[key] = bit_major(bound.proj[..., :n_bits], x.dtype)
+        return simhash(x, bound.proj[..., :n_bits], bound.matrices[key])
 
     def make_state(self, layer_idx: int) -> PigState:
         return PigState(layer_idx)
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        return layer_idx not in self.dense
+    def is_budgeted(self, st: PigState) -> bool:
+        return st.layer_idx not in st.bound.dense
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, st: PigState, q, k, v):
@@ -258,13 +267,13 @@ class MagicPIG(KVMethod):
     def finish_prefill(self, st: PigState) -> None:
         st.n_prompt = st.n_seen
         n_mid = st.n_seen - self.n_sink - self.local
-        if not self.is_budgeted(st.layer_idx) or n_mid <= 0:
+        if not self.is_budgeted(st) or n_mid <= 0:
             return
         mid = slice(self.n_sink, self.n_sink + n_mid)
         st.store_k, st.store_v = to_store(st.k[:, mid]), to_store(st.v[:, mid])  # on CPU views of the prefill K/V
         keep_sinks_and_recent(st, self.n_sink, self.local)  # the prompt's sinks and local window stay resident
         st.buffers.clear()  # the store may alias them: generated tokens go to buffers of their own
-        if self.bound_settings()["background_build"]:
+        if st.bound.background_build:
             self.submit_background(st, self.build_index, st)
         else:
             self.build_index(st)
@@ -276,18 +285,18 @@ class MagicPIG(KVMethod):
         centred = st.store_k.float() - st.mu
         st.knorm = centred.norm(dim=-1)
         st.n_bits, st.expected_samples = self.choose_bits(st, centred, st.knorm)
-        codes = self.hash_codes(centred.to(st.store_k.dtype), st.n_bits)  # [H_kv, n, L], a table-major view
+        codes = self.hash_codes(st, centred.to(st.store_k.dtype), st.n_bits)  # [H_kv, n, L], a table-major view
         st.tables = build_tables(codes.transpose(1, 2), st.n_bits)
 
     def choose_bits(self, st: PigState, centred: torch.Tensor, norms: torch.Tensor) -> tuple[int, float | None]:
         """``(K, expected sample size at K)``. With ``calibrate``: the smallest ``K`` whose expected sample size
         (last prompt query, mean over heads) fits the target, by bisection (the size never grows with ``K``:
-        ``p_j^K`` falls and ``w_j`` rises with ``p_j``), else ``max_bits`` with a warning (once per method).
+        ``p_j^K`` falls and ``w_j`` rises with ``p_j``), else ``max_bits`` with a warning (once per model).
         Without: ``n_bits``, its expected sample size recorded (``None`` without a prompt query).
         ``norms [H_kv, n]``: the centred keys' norms."""
         if st.calib_q is None:
             return self.n_bits, None
-        h_kv, group = self.spec.n_kv_heads, self.spec.group
+        h_kv, group = st.spec.n_kv_heads, st.spec.group
         q = st.calib_q.view(h_kv, group, -1)
         cos = torch.einsum("hgd,hnd->hgn", q, centred) / (
             q.norm(dim=-1, keepdim=True) * norms[:, None, :]).clamp(min=1e-12)
@@ -308,12 +317,12 @@ class MagicPIG(KVMethod):
                 else:
                     low = mid + 1
             return high, expected(high)
-        if not self._warned_target:
-            self._warned_target = True
+        if "sample_target" not in st.bound.warned:
+            st.bound.warned.add("sample_target")
             warnings.warn(f"magicpig: layer {st.layer_idx}: no K <= max_bits={self.max_bits} brings the expected "
                           f"sample size to the target {self.sample_target} (K={self.max_bits} expects {size:.1f} of "
                           f"{centred.shape[1]} offloaded keys); using K={self.max_bits}, the budget is exceeded "
-                          f"(timing.json method_stats); raise max_bits or the budget. Warned once per run.",
+                          f"(timing.json method_stats); raise max_bits or the budget. Warned once per model.",
                           RuntimeWarning, stacklevel=2)
         return self.max_bits, size
 
@@ -335,8 +344,8 @@ class MagicPIG(KVMethod):
         if st.store_k is None:
             return None
         q_host = q[:, 0].detach().float().cpu()
-        codes = self.hash_codes(q_host.to(st.store_k.dtype), st.n_bits)  # [H_q, L], as the keys were hashed
-        codes = codes.reshape(self.spec.n_kv_heads, self.spec.group, -1).transpose(1, 2).contiguous()
+        codes = self.hash_codes(st, q_host.to(st.store_k.dtype), st.n_bits)  # [H_q, L], as the keys were hashed
+        codes = codes.reshape(st.spec.n_kv_heads, st.spec.group, -1).transpose(1, 2).contiguous()
         return lookup(st.tables, codes, self.min_collisions)
 
     def fetch(self, st: PigState, selection: torch.Tensor | None) -> Fetched:
@@ -344,7 +353,7 @@ class MagicPIG(KVMethod):
             return Fetched(st.k, st.v)
         n_cand = int(selection.sum(-1).max())
         idx = torch.argsort((~selection).to(torch.int8), dim=-1, stable=True)[:, :n_cand]  # candidates first
-        kv = (torch.arange(self.spec.n_q_heads) // self.spec.group)[:, None]
+        kv = (torch.arange(st.spec.n_q_heads) // st.spec.group)[:, None]
         return SampledFetched(st.k, st.v, sk=st.store_k[kv, idx], sv=st.store_v[kv, idx],
                               svalid=selection.gather(1, idx), snorm=st.knorm[kv, idx])
 
@@ -358,7 +367,7 @@ class MagicPIG(KVMethod):
         return torch.cat([st.pos.cpu().expand(sampled.shape[0], -1), sampled], dim=1)
 
     def attend(self, st: PigState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
-        out, lse = partial_attention(q, fetched.k, fetched.v, self.spec.scaling)
+        out, lse = partial_attention(q, fetched.k, fetched.v, st.spec.scaling)
         if isinstance(fetched, SampledFetched):
             sampled_out, sampled_lse = self.sampled_attention(st, q, fetched)
             out, lse = merge_attention(out, lse, sampled_out.to(out.device), sampled_lse.to(out.device))
@@ -368,12 +377,12 @@ class MagicPIG(KVMethod):
     def sampled_attention(self, st: PigState, q: torch.Tensor, fetched: SampledFetched):
         """The offload-side part: importance-weighted attention over each query head's candidates."""
         q_host = q.detach().float().cpu()  # [H_q, 1, d]
-        mu = expand_heads(st.mu, self.spec.n_q_heads)  # [H_q, 1, d]
+        mu = expand_heads(st.mu, st.spec.n_q_heads)  # [H_q, 1, d]
         dots = torch.matmul(q_host, (fetched.sk.float() - mu).transpose(1, 2))[:, 0]  # q . centred key
         cos = dots / (q_host[:, 0].norm(dim=-1, keepdim=True) * fetched.snorm).clamp(min=1e-12)
         w = inclusion_probability(collision_probability(cos, st.n_bits), self.n_tables, self.min_collisions)
         log_w = importance_log_weight(w)
-        return partial_attention(q_host, fetched.sk, fetched.sv, self.spec.scaling, fetched.svalid, log_w)
+        return partial_attention(q_host, fetched.sk, fetched.sv, st.spec.scaling, fetched.svalid, log_w)
 
     # ------------------------------------------------------------------ accounting
     def warm_up(self, spec: ModelSpec, n_prompt: int) -> None:
@@ -398,7 +407,7 @@ class MagicPIG(KVMethod):
     def check_resident(self, st: PigState) -> None:
         """Sparse layers: resident prompt tokens (sinks + local) within the exact part;
         generated tokens are kept on top (exempt, as the official generation buffer)."""
-        if not self.is_budgeted(st.layer_idx):
+        if not self.is_budgeted(st):
             return
         prompt_part = self.resident_tokens(st) - (st.n_seen - st.n_prompt)
         if prompt_part > self.n_sink + self.local:
@@ -406,15 +415,15 @@ class MagicPIG(KVMethod):
                                  f"over its exact part of {self.n_sink + self.local} (budget {self.budget})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MagicPIGCalibrated(MagicPIG):
     """MagicPIG with this project's budget (``cache=magicpig_calibrated``), a registered variant of
     :class:`MagicPIG` with two deviations: ``shrink_local=True`` (the local window takes at most half of what the
     budget leaves after the sinks, where the official code keeps 64 tokens) and ``calibrate=True`` (each sparse
     layer picks the smallest ``K <= max_bits`` whose expected sample size for the last prompt query fits the rest
-    of the budget), so the budget sets both parts. Relative attention-output error on SmolLM2-135M keys at 2k tokens
-    (docs/fidelity.md): 0.09-0.16 per layer at budget 256 (K = 9) against 0.15-0.38 with the official K = 10,
-    which samples the same ~60 keys whatever the budget."""
+    of the budget), so the budget sets both parts. At a budget above the official sample's size its
+    attention-output error is lower than the official ``K = 10``'s, which samples about as many keys whatever the
+    budget (docs/fidelity.md, "MagicPIG", the attention-output error table)."""
 
     shrink_local: bool = True
     calibrate: bool = True

@@ -168,7 +168,7 @@ def run_cell(model, tokenizer, suite, sample, cell: Config, prefilled: Prefill, 
                    stop=sample.stop, ignore_eos=sample.ignore_eos, stop_token_ids=sample.stop_token_ids,
                    min_new_tokens=sample.min_new_tokens, eos_token_ids=sample.eos_token_ids, prefilled=prefilled,
                    probe=recall)
-    budgeted = [e for i, e in enumerate(gen.effective_tokens) if e is not None and method.is_budgeted(i)]
+    budgeted = [e for i, e in enumerate(gen.effective_tokens) if e is not None and i in gen.budgeted_layers]
     row = {"prediction": gen.text, "score": suite.score(sample, gen.text)["score"], "max_new_tokens": max_new,
            "max_attended_per_head": max(budgeted, default=None), "max_resident": gen.max_resident_tokens}
     if gen.recall:
@@ -225,8 +225,7 @@ def config_recall(data: dict, cells: list[Config]) -> pd.DataFrame:
         if cell.method not in ("topk", "icecache", "icecache_reuse"):
             continue
         method = cell.build()
-        method.bind(spec)
-        seq, states = method.new_sequence(), {}
+        seq, states = method.new_sequence(method.bind(spec)), {}
         for layer, keys in zip(data["layers"], data["keys"]):
             st = states[layer] = seq.layers[layer]
             method.fill(st, keys.float(), keys.float())

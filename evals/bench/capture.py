@@ -25,7 +25,7 @@ import argparse
 import json
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,19 +38,17 @@ N_DENSE_LAYERS = 2  # n_unlimited_layers of IceCache: layers 0, 1 are never budg
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptureCache(FullCache):
-    """Full attention that records, per layer, the prompt keys and every decode step's queries."""
-
-    keys: dict = field(default_factory=dict, init=False, repr=False)
-    queries: dict = field(default_factory=dict, init=False, repr=False)
+    """Full attention that records in each layer's state the prompt keys (``st.captured_keys``) and every decode
+    step's queries (``st.captured_queries``)."""
 
     def prefill(self, st, q, k, v):
-        self.keys[st.layer_idx] = k.detach().to(torch.bfloat16).clone()
+        st.captured_keys, st.captured_queries = k.detach().to(torch.bfloat16).clone(), []
         return super().prefill(st, q, k, v)
 
     def decode(self, st, q, k, v, timer):
-        self.queries.setdefault(st.layer_idx, []).append(q[:, -1].detach().to(torch.bfloat16).clone())
+        st.captured_queries.append(q[:, -1].detach().to(torch.bfloat16).clone())
         return super().decode(st, q, k, v, timer)
 
 
@@ -74,17 +72,16 @@ def capture(model_name: str, data_dir: Path, n_tokens: int, steps: int, threads:
     prompt, key = build_prompt(tokenizer, data_dir, n_tokens)
     model = load_model(model_name)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    method = CaptureCache()
-    cache = make_cache(method, model)
+    cache = make_cache(CaptureCache(), model)
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
                              do_sample=False)
-    layers = sorted(i for i in method.queries if i >= N_DENSE_LAYERS)
+    states = [st for st in cache.states if st.layer_idx >= N_DENSE_LAYERS]
     generated = tokenizer.decode(out[0, ids.shape[1]:])
     return {
-        "keys": [method.keys[i] for i in layers],
-        "queries": [torch.stack(method.queries[i][:steps]) for i in layers],
-        "layers": layers,
+        "keys": [st.captured_keys for st in states],
+        "queries": [torch.stack(st.captured_queries[:steps]) for st in states],
+        "layers": [st.layer_idx for st in states],
         "meta": {"model": model_name, "tokens": n_tokens, "prompt_tokens": int(ids.shape[1]), "pass_key": key,
                  "depth": 0.4, "steps": steps, "generated": generated},
     }

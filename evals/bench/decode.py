@@ -53,8 +53,8 @@ than cores and cut every team's spin to 1000 iterations.
 
 Floor (:mod:`evals.bench.floor`): every cell also gets ``floor_s``, the TPOT its method would have if selecting,
 moving and updating keys were free: full's ``other`` at the same length + full's ``attention`` there x
-``n_dense_layers / n_layers`` (the method's dense layers, read from the bound method's ``is_budgeted``; 0 where
-unreadable, the rule recorded as ``dense_layers_rule``) + ``exact_attention_s x`` the budgeted layers, where
+``n_dense_layers / n_layers`` (the method's dense layers, read from its ``is_budgeted`` on the model's layers)
++ ``exact_attention_s x`` the budgeted layers, where
 ``exact_attention_s`` is one layer's exact attention of one decode query over ``budget`` keys
 (:func:`icecache.kv.attention.attend`, the model's head counts, head dim and dtype), timed in the cell's process
 after its generation (median of 15 repetitions); ``tpot_over_floor`` is the median TPOT over it (full's is its

@@ -13,11 +13,10 @@ moving and updating its keys cost nothing and it attended exactly its budget.
   query/KV head counts, head dim, dtype and device, the median over :data:`REPEATS` repetitions of the mean
   of :data:`CALLS` calls.
 
-``n_dense_layers`` is read from the bound method object, the layers it declares unbudgeted
+``n_dense_layers`` is read from the method bound to the model, the layers it declares unbudgeted
 (:meth:`icecache.kv.KVMethod.is_budgeted` false: IceCache's and Quest's first ``n_dense_layers``, OmniKV's dense
 and filter layers, MagicPIG's ``dense_layers``; every layer of the full cache, so full's floor is its own
-``other + attention``). A method whose layers cannot be read counts 0 dense layers; every row records the
-count it used and by which rule (``dense_layers_rule``: ``is_budgeted`` or ``unreadable: 0``).
+``other + attention``); every row records the count it used.
 ``tpot_over_floor`` is the cell's median TPOT over its floor. A cell without a full-cache row at its length, or
 measured before these fields were recorded, has no floor (``None``).
 """
@@ -28,6 +27,7 @@ import time
 
 import torch
 
+from icecache.kv import ModelSpec
 from icecache.kv.attention import attend
 from icecache.kv.compat import model_spec
 
@@ -70,13 +70,14 @@ def exact_attention_seconds(spec, budget: int, repeats: int = REPEATS, calls: in
     return statistics.median(times)
 
 
-def dense_layers(method, n_layers: int) -> tuple[int, str]:
-    """How many of the ``n_layers`` layers the bound ``method`` attends densely (``is_budgeted`` false), and the
-    rule that gave the count: ``is_budgeted``, or ``unreadable: 0`` when the method cannot answer."""
+def dense_layers(method, spec: ModelSpec) -> int:
+    """How many layers of a model of ``spec`` ``method`` attends densely (:meth:`~icecache.kv.KVMethod.is_budgeted`
+    false for the layers of a sequence bound to that model)."""
+    sequence = method.new_sequence(method.bind(spec))
     try:
-        return sum(not method.is_budgeted(i) for i in range(n_layers)), "is_budgeted"
-    except (AttributeError, KeyError, TypeError):
-        return 0, "unreadable: 0"
+        return sum(not method.is_budgeted(st) for st in sequence.layers)
+    finally:
+        sequence.close()
 
 
 def floor_inputs(model, method, budget: int) -> dict:
@@ -84,8 +85,7 @@ def floor_inputs(model, method, budget: int) -> dict:
     layer count, the method's dense layers (:func:`dense_layers`) and one budgeted layer's exact attention time
     (:func:`exact_attention_seconds`) with the shape it was timed at."""
     spec = model_spec(model)
-    n_dense, rule = dense_layers(method, spec.n_layers)
-    return {"n_layers": spec.n_layers, "n_dense_layers": n_dense, "dense_layers_rule": rule,
+    return {"n_layers": spec.n_layers, "n_dense_layers": dense_layers(method, spec),
             "exact_attention_s": exact_attention_seconds(spec, budget),
             "exact_attention_shape": attention_shape(spec, budget)}
 

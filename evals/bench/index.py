@@ -293,8 +293,7 @@ def pqcache_masks(keys: torch.Tensor, queries: torch.Tensor, layer: int, budget:
     ``options``: other :class:`PQCache` hyperparameters (defaults: the baseline's).
     """
     method = PQCache(budget=budget, **options)
-    method.bind(spec)
-    seq = method.new_sequence()
+    seq = method.new_sequence(method.bind(spec))
     st = seq.layers[layer]
     method.fill(st, keys, keys)  # keeps sinks + recent window in st.pos, trains the codebooks
     method.await_background(st)
@@ -318,13 +317,13 @@ def omnikv_selections(data: dict, budget: int, spec: ModelSpec) -> dict:
     layers whose filter layer was not captured are left out.
     """
     method = OmniKV(budget=budget)
-    method.bind(spec)
+    roles = method.bind(spec).roles
     chosen = {layer: [select_tokens(q[:, None], keys, spec.scaling, budget, method.selector) for q in queries]
               for layer, keys, queries in zip(data["layers"], data["keys"], data["queries"])
-              if method.roles[layer][0] == "filter"}
+              if roles[layer][0] == "filter"}
     out = {}
     for layer in data["layers"]:
-        role, f = method.roles[layer]
+        role, f = roles[layer]
         if role == "dense" or f in chosen:
             out[layer] = (role, None if role == "dense" else chosen[f])
     return out

@@ -25,12 +25,12 @@ from icecache.kv import ModelSpec
 SMOLLM2 = dict(n_layers=1, n_q_heads=9, n_kv_heads=3, head_dim=64, scaling=64 ** -0.5, max_position=1 << 20)
 
 
-def layer_state(method: PQCache, length: int, generator: torch.Generator) -> PQState:
-    """A decoding layer with ``length`` coded candidates between its sinks and its recent window: a prefill of
-    zero K/V (its k-means stops at the first iteration), then random codebooks and codes."""
-    spec, c = method.spec, 2 ** method.n_bits
+def layer_state(method: PQCache, spec: ModelSpec, length: int, generator: torch.Generator) -> PQState:
+    """A decoding layer of a model of ``spec`` with ``length`` coded candidates between its sinks and its recent
+    window: a prefill of zero K/V (its k-means stops at the first iteration), then random codebooks and codes."""
+    c = 2 ** method.n_bits
     resident = method.n_sink + method.recent
-    st = method.new_sequence().layers[0]
+    st = method.new_sequence(method.bind(spec)).layers[0]
     zeros = torch.zeros(spec.n_kv_heads, length + resident, spec.head_dim)
     method.fill(st, zeros, zeros)
     method.await_background(st)
@@ -55,13 +55,11 @@ def compare(length: int, budget: int, repeats: int, seed: int = 0) -> dict:
     """Times of both selections on one layer state, and whether they retrieved the same score mass."""
     generator = torch.Generator().manual_seed(seed)
     joint, per_token = PQCache(budget=budget), PQCache(budget=budget, joint_scores=False)
-    for method in (joint, per_token):
-        method.bind(ModelSpec(**SMOLLM2))
-    st = layer_state(joint, length, generator)
+    st = layer_state(joint, ModelSpec(**SMOLLM2), length, generator)
     q = torch.randn(SMOLLM2["n_q_heads"], 1, SMOLLM2["head_dim"], generator=generator) * 2
     ms_joint = median_ms(lambda: joint.select(st, q), repeats)
     ms_token = median_ms(lambda: per_token.select(st, q), repeats)
-    scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes), joint.spec.scaling, joint.spec.n_kv_heads)
+    scores = group_probs(lookup_scores(q[:, 0], st.centroids, st.codes), st.spec.scaling, st.spec.n_kv_heads)
     mass = [scores.gather(1, m.select(st, q) - m.n_sink).sum().item() for m in (joint, per_token)]
     return {"length": length, "joint_ms": round(ms_joint, 4), "per_token_ms": round(ms_token, 4),
             "joint_over_per_token": round(ms_joint / ms_token, 3),

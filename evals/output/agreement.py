@@ -25,8 +25,9 @@ Per paired sample (:func:`agreement_row`):
   empty (or whitespace only) = 1.0, one empty = 0.0, identical texts = 1.0 without calling the package (it gives
   1 - 5e-9 for a text against itself); the recursion limit is raised around the call, as the package recovers an
   LCS one word per call frame and would score 0 a sentence over ~1,000 words; texts over
-  :data:`ROUGE_MAX_WORDS` words get None (its union LCS is a pure-Python O(n m) table: ~0.1 s at 400 words, ~1 s
-  at 1,000, far more at LongGenBench's 16k tokens). LongBench's Chinese tasks are cut into words by jieba first,
+  :data:`ROUGE_MAX_WORDS` words get None (its union LCS is a pure-Python O(n m) table, whose time grows with the
+  square of the length, prohibitive at LongGenBench's 16k tokens; docs/benchmarks.md, "Columns"). LongBench's
+  Chinese tasks are cut into words by jieba first,
   as its ``rouge_zh_score`` does.
 
 Per run (:func:`agreement_summary`, the summary's columns :data:`AGREEMENT_COLUMNS`): ``answer_match`` (% of the

@@ -191,7 +191,8 @@ def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) ->
                   if k.startswith("eval.") and k not in key and k.split(".", 1)[1] in TITLE_SETTINGS}
         title = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in {**key, **common}.items())
         commits = ", ".join(sorted(group["commit"].dropna().astype(str).str[:7].unique()))
-        parts += [f"### {title}", f"n = {int(group['n'].max())} samples per run; commit {commits}", "",
+        n = group["n"] if "n" in group else group["n_samples"]  # without intervals (draws=0) no pairing counted n
+        parts += [f"### {title}", f"n = {int(n.max())} samples per run; commit {commits}", "",
                   cell_table(group), ""]
         agreement = agreement_table(group)
         if agreement:

@@ -1,11 +1,15 @@
 """The method abstraction every KV-cache method implements.
 
-A method is a ``@dataclass`` whose fields are its hyperparameters (kvpress style). It never touches
+A method is a frozen ``@dataclass`` whose fields are its hyperparameters (kvpress style); nothing writes them after
+construction. What a method resolves from a model (its spec, layer ids scaled to the model's depth, projections)
+is returned by :meth:`KVMethod.bind` as a :class:`Bound`, which the cache keeps and every layer state reaches as
+``st.bound`` (``st.spec`` for the model's shapes). A method never touches
 transformers: it receives plain post-RoPE tensors, batch squeezed — queries ``[H_q, n, d]``, keys and
 values ``[H_kv, n, d]`` — and one :class:`LayerState` per decoder layer. Everything a sequence holds (the
 layers' states, the background worker, the probe, values kept across layers) lives in the cache's
 :class:`~icecache.kv.state.SequenceState`, reached as ``st.seq``; a method object holds no per-sequence state,
-so one method serves many caches and compares equal to another of the same hyperparameters.
+so one method object serves many caches, models and threads and compares equal to another of the same
+hyperparameters.
 
 Prefill: :meth:`KVMethod.prefill` computes exact causal attention over the prompt and stores the layer's
 K/V; :meth:`KVMethod.finish_prefill` then compresses/offloads and may start background work with
@@ -24,7 +28,7 @@ of past tokens attended per head, per layer.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -76,6 +80,20 @@ class ModelSpec:
         return self.n_q_heads // self.n_kv_heads
 
 
+@dataclass(frozen=True)
+class Bound:
+    """A method's per-model values: what :meth:`KVMethod.bind` resolves from one model's :class:`ModelSpec`. The
+    cache keeps it (one per model) and hands it to each sequence; every layer state reaches it as ``st.bound``.
+    Methods that resolve more from the model (layer ids scaled to its depth, random projections) return a
+    subclass holding them."""
+
+    spec: ModelSpec
+
+    def settings(self) -> dict:
+        """Hyperparameters left ``None`` at construction that were resolved from the model (layer ids scaled to
+        its depth), as the run record states them (``method_bound``); ``{}`` when a method has none."""
+        return {}
+
 
 @dataclass
 class Fetched:
@@ -99,7 +117,7 @@ class Fetched:
         return self.valid.sum(-1, dtype=torch.float32).mean() - 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVMethod:
     """Base class: the ``full`` behaviour (keep and attend everything). Subclasses override hooks."""
 
@@ -108,7 +126,6 @@ class KVMethod:
     name: ClassVar[str] = ""
     needs_budget: ClassVar[bool] = True  # False for methods without one (full)
     example_budget: ClassVar[int] = 64  # suggested in the error when no budget is given
-    spec: ModelSpec | None = field(default=None, init=False, repr=False, compare=False)  # set by bind
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -141,23 +158,20 @@ class KVMethod:
         needs more than the attention inputs registers its hooks here (the kvpress adapter captures each
         layer's input hidden states into the cache's sequence state). Default: nothing."""
 
-    def bind(self, spec: ModelSpec) -> None:
-        self.spec = spec
+    def bind(self, spec: ModelSpec) -> Bound:
+        """This method's values for a model of ``spec`` (checked against it). :class:`KVCache` binds once per
+        cache; the method object itself is left as it was."""
+        return Bound(spec)
 
-    def bound_settings(self) -> dict:
-        """Hyperparameters left ``None`` at construction that :meth:`bind` resolves from the model (layer ids
-        scaled to its depth), as the run record states them; ``{}`` when a method has none."""
-        return {}
-
-    def new_sequence(self, probe=None) -> SequenceState:
-        """The state of a new sequence for a model of the bound spec: :meth:`make_sequence` holding one
-        :meth:`make_state` per layer (each knowing its sequence as ``st.seq``) and the ``diagnostics=recall``
-        ``probe``. :class:`KVCache` makes one per prompt."""
+    def new_sequence(self, bound: Bound, probe=None) -> SequenceState:
+        """The state of a new sequence for the model ``bound`` was made for (:meth:`bind`): :meth:`make_sequence`
+        holding one :meth:`make_state` per layer (each knowing its sequence as ``st.seq`` and the per-model values
+        as ``st.bound``) and the ``diagnostics=recall`` ``probe``. :class:`KVCache` makes one per prompt."""
         seq = self.make_sequence()
-        seq.probe = probe
-        for layer_idx in range(self.spec.n_layers):
+        seq.probe, seq.bound = probe, bound
+        for layer_idx in range(bound.spec.n_layers):
             st = self.make_state(layer_idx)
-            st.seq = seq
+            st.seq, st.bound = seq, bound
             seq.layers.append(st)
         return seq
 
@@ -169,15 +183,15 @@ class KVMethod:
     def make_state(self, layer_idx: int) -> LayerState:
         return LayerState(layer_idx)
 
-    def is_budgeted(self, layer_idx: int) -> bool:
-        """Whether ``layer_idx`` is subject to the budget (dense/exempt layers return False)."""
+    def is_budgeted(self, st: LayerState) -> bool:
+        """Whether the layer of ``st`` is subject to the budget (dense/exempt layers return False)."""
         return self.budget is not None
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, st: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Exact causal attention over the prompt; stores the layer's K/V. Override for methods that
         need prefill statistics (H2O, SnapKV)."""
-        out = causal_attention(q, k, v, self.spec.scaling)
+        out = causal_attention(q, k, v, st.spec.scaling)
         self.store(st, k, v)
         return out
 
@@ -218,7 +232,7 @@ class KVMethod:
     def submit_background(self, st: LayerState, fn, *args) -> None:
         """Runs ``fn(*args)`` on the sequence's single background worker (the prefill pipeline), or inline on a
         CPU (:func:`~icecache.kv.state.jobs_inline`)."""
-        st.seq.submit(st, fn, *args, inline=jobs_inline(self.spec.device))
+        st.seq.submit(st, fn, *args, inline=jobs_inline(st.spec.device))
 
     def await_background(self, st: LayerState) -> None:
         """Waits for ``st``'s background job, if any (:meth:`SequenceState.wait`)."""
@@ -261,7 +275,7 @@ class KVMethod:
         return Fetched(st.k, st.v)
 
     def attend(self, st: LayerState, q: torch.Tensor, fetched: Fetched) -> torch.Tensor:
-        return attend(q, fetched.k, fetched.v, self.spec.scaling, fetched.valid)
+        return attend(q, fetched.k, fetched.v, st.spec.scaling, fetched.valid)
 
     def observe(self, st: LayerState, q: torch.Tensor, fetched: Fetched, selection: Any) -> None:
         """After attention: update scores, evict (eviction methods) or insert into indexes."""
@@ -303,8 +317,7 @@ class KVMethod:
 
             def draw(heads: int, n: int) -> torch.Tensor:
                 return torch.randn(heads, n, spec.head_dim, generator=gen).to(spec.device, spec.dtype)
-            method.bind(spec)
-            sequence, timer = method.new_sequence(), PhaseTimer(device=spec.device)
+            sequence, timer = method.new_sequence(method.bind(spec)), PhaseTimer(device=spec.device)
             try:
                 for st in sequence.layers:
                     q = draw(spec.n_q_heads, n_prompt)
@@ -339,6 +352,6 @@ class KVMethod:
         return {}
 
     def check_resident(self, st: LayerState) -> None:
-        if self.is_budgeted(st.layer_idx) and self.resident_tokens(st) > self.budget:
+        if self.is_budgeted(st) and self.resident_tokens(st) > self.budget:
             raise AssertionError(f"{self.name}: layer {st.layer_idx} holds {self.resident_tokens(st)} resident "
                                  f"tokens, over the budget of {self.budget}")

@@ -72,8 +72,9 @@ class KVCache(compat.Cache):
         method's tensors. The method measures through the sequence state (between attend and observe); the
         cache feeds the probe the K/V."""
         self.method, self.spec, self.probe = method, spec, probe
+        self.bound = method.bind(spec)  # the method's per-model values, shared by every sequence of this cache
         self.timer = PhaseTimer(sync=profile, device=spec.device)
-        self._bind_fresh()
+        self._start_sequence()
         super().__init__(layers=self.layers)
 
     @classmethod
@@ -86,9 +87,8 @@ class KVCache(compat.Cache):
         method.attach(model, cache)
         return cache
 
-    def _bind_fresh(self) -> None:
-        self.method.bind(self.spec)
-        self.sequence = self.method.new_sequence(self.probe)  # all per-sequence state: layers, worker, probe
+    def _start_sequence(self) -> None:
+        self.sequence = self.method.new_sequence(self.bound, self.probe)  # per-sequence state: layers, worker, probe
         self.states = self.sequence.layers
         self.layers = [MethodLayer(s) for s in self.states]
         self.phase = "new"  # new -> prefill -> decode
@@ -100,7 +100,7 @@ class KVCache(compat.Cache):
         self.sequence.close()
         if self.probe is not None:
             self.probe.reset()
-        self._bind_fresh()
+        self._start_sequence()
 
     def n_tokens(self) -> int:
         """Tokens of the sequence this cache holds (0 when new or reset)."""
@@ -190,6 +190,10 @@ class KVCache(compat.Cache):
         names = sorted({k for stats in per_layer for k in stats})
         return {k: [stats.get(k) for stats in per_layer] for k in names}
 
+    def budgeted_layers(self) -> list[int]:
+        """The layers subject to the budget (:meth:`KVMethod.is_budgeted`; dense/exempt layers left out)."""
+        return [s.layer_idx for s in self.states if self.method.is_budgeted(s)]
+
     def resident_tokens(self) -> list[int]:
         return [self.method.resident_tokens(s) for s in self.states]
 
@@ -210,7 +214,7 @@ class KVCache(compat.Cache):
 
     def max_budgeted_resident(self) -> int:
         """The largest resident set (past tokens in fast memory) over the budgeted layers."""
-        return max((self.method.resident_tokens(s) for s in self.states if self.method.is_budgeted(s.layer_idx)),
+        return max((self.method.resident_tokens(s) for s in self.states if self.method.is_budgeted(s)),
                    default=0)
 
     def wait_background(self) -> None:

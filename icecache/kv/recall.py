@@ -119,9 +119,9 @@ class RecallProbe:
     def measure(self, method, st, q: torch.Tensor, selection, out: torch.Tensor) -> None:
         """One decode step of one layer, after the method's attention (``q, out: [H_q, 1, d]``)."""
         layer = st.layer_idx
-        if method.budget is None or not (method.is_budgeted(layer) or layer >= self.common_from):
+        if method.budget is None or not (method.is_budgeted(st) or layer >= self.common_from):
             return  # a method without a budget (full) is not measured
-        if method.is_budgeted(layer):
+        if method.is_budgeted(st):
             self.own.add(layer)
         self.steps[layer] += 1
         if (self.steps[layer] - 1) % self.every:
@@ -129,7 +129,7 @@ class RecallProbe:
         keys, values = self.views[layer]["k"], self.views[layer]["v"]
         n = keys.shape[1]
         mask = positions_mask(method.attended_positions(st, selection), n, q.shape[0])
-        probs, exact_out = exact_attention(q[:, 0].detach().cpu(), keys, values, method.spec.scaling)
+        probs, exact_out = exact_attention(q[:, 0].detach().cpu(), keys, values, st.spec.scaling)
         needle = self.needle[self.needle < n]
         for name, value in step_metrics(probs, exact_out, out[:, 0].detach().cpu(), mask, needle).items():
             self.values[layer][name].append(value.float())

@@ -46,6 +46,7 @@ class LayerState:
     def __init__(self, layer_idx: int):
         self.layer_idx = layer_idx
         self.seq: SequenceState | None = None  # the sequence this layer belongs to (set by KVMethod.new_sequence)
+        self.bound: Any = None  # the method's per-model values, a kv.base.Bound (set by KVMethod.new_sequence)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -56,6 +57,11 @@ class LayerState:
         self.attended_sum: float | torch.Tensor = 0.0  # sum over decode steps of past tokens attended per
         # head; a device tensor when a step only knew it there (read once, by KVCache.effective_tokens)
         self.attended_steps = 0
+
+    @property
+    def spec(self):
+        """The model's :class:`~icecache.kv.base.ModelSpec` (``bound.spec``)."""
+        return self.bound.spec
 
     def resident_tokens(self) -> int:
         return 0 if self.k is None else int(self.k.shape[1])
@@ -71,6 +77,7 @@ class SequenceState:
     def __init__(self, worker_name: str = "kv"):
         self.layers: list[LayerState] = []
         self.probe: Any = None
+        self.bound: Any = None  # the method's per-model values (kv.base.Bound), shared by its layers
         self.worker_name = worker_name
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.outstanding = 0  # background jobs submitted, not yet awaited
