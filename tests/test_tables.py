@@ -15,19 +15,22 @@ IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
 
 
 def write_run(root: Path, cache: str, budget: int, scores: list[float], stats: dict | None = None,
-              limit: int | None = None, **options) -> Path:
+              limit: int | None = None, tasks: list[str] | None = None, effective: list | None = None,
+              **options) -> Path:
     cfg = {"eval": {"name": "passkey", "lengths": [1024], "depths": 5}, "model": {"name": "tiny-llama"},
            "cache": {"name": cache, **options}, "budget": budget, "seed": 0, "results_dir": str(root),
            **({"limit": limit} if limit else {})}
     run_dir = results.run_dir_for(cfg)
     run = results.RunDir(run_dir, cfg, yaml.safe_dump(cfg))
-    rows = [{"id": i, "task": "passkey_1024", "prediction": "", "reference": "", "scores": {"score": s},
-             "meta": {"length": 1024}, "timing": {"tt2t_s": 1.0}} for i, s in zip(IDS, scores)]
+    tasks = tasks or ["passkey_1024"] * len(scores)
+    rows = [{"id": i, "task": t, "prediction": "", "reference": "", "scores": {"score": s},
+             "meta": {"length": 1024}, "timing": {"tt2t_s": 1.0}} for i, s, t in zip(IDS, scores, tasks)]
     for r in rows:
         run.append(r)
     results.write_json(run_dir / "metrics.json", Passkey.aggregate(None, rows))
     results.write_json(run_dir / "timing.json", {"ttft_s": 0.5, "tt2t_s": 0.6, "tpot_s": 0.01,
-                                                 "method_stats": stats or {}})
+                                                 "method_stats": stats or {},
+                                                 "effective_tokens_per_layer": effective or []})
     return run_dir
 
 
@@ -67,6 +70,20 @@ def test_without_intervals_the_table_still_counts_its_samples(folder):
     text = tables.render(folder, draws=0)  # --draws 0: no predictions read, no pairing
     assert "n = 5 samples per run" in text
     assert next(line for line in text.splitlines() if line.startswith("| icecache |")).split(" | ")[1] == "60 [-, -]"
+
+
+def test_per_task_table_gives_each_task_the_average_and_the_median_layer_attended(tmp_path):
+    root, tasks = tmp_path / "results", ["passkey_1024", "passkey_1024", "passkey_2048", "passkey_2048"]
+    write_run(root, "full", 64, [1, 1, 1, 1], tasks=tasks, effective=[1000, 1000, 1000])
+    write_run(root, "icecache", 64, [1, 0, 0, 0], tasks=tasks, effective=[1000, 30, 34, None])  # a dense layer
+    lines = tables.render(root, draws=0).splitlines()
+    assert "| method | budget | passkey_1024 | passkey_2048 | Avg. | attended |" in lines
+    assert "| full | 64 | 100.0 | 100.0 | 100.0 | 1000 |" in lines
+    assert "| icecache | 64 | 50.0 | 0.0 | 25.0 | 34 |" in lines  # the median of 1000, 30, 34
+    write_run(tmp_path / "one", "full", 64, [1])
+    assert "Avg." not in tables.render(tmp_path / "one", draws=0)  # one task, nothing attended: no table
+    write_run(tmp_path / "gsm", "icecache", 64, [1], effective=[500, 40, 40])
+    assert "| icecache | 64 | 100.0 | 40 |" in tables.render(tmp_path / "gsm", draws=0).splitlines()
 
 
 def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tmp_path):

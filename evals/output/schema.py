@@ -5,6 +5,7 @@ that the summary table, the plots, W&B and the report use (as lm-evaluation-harn
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import TypedDict
 
@@ -104,12 +105,14 @@ def score_columns(metrics: Metrics) -> dict:
 
 
 def timing_columns(timing: Timing) -> dict:
-    """:data:`TIMING_SCALARS`, ``breakdown/<phase>``, the mean effective tokens over layers and, per
+    """:data:`TIMING_SCALARS`, ``breakdown/<phase>``, the mean and the median layer's effective tokens (the
+    median is a budgeted layer's wherever most layers are budgeted, the mean counts the dense ones too) and, per
     ``method_stats`` entry (e.g. IceCache's ``search_scored_fraction``), ``stat/<name>``: its mean over the
     layers that report it."""
     out = {key: timing.get(key) for key in TIMING_SCALARS}
     out.update({f"breakdown/{p}": v for p, v in timing.get("breakdown", {}).items()})
     out["effective_tokens_mean"] = _layer_mean(timing.get("effective_tokens_per_layer", []))
+    out["effective_tokens_median"] = _layer_median(timing.get("effective_tokens_per_layer", []))
     out.update({f"stat/{name}": _layer_mean(values) for name, values in timing.get("method_stats", {}).items()})
     return out
 
@@ -118,6 +121,12 @@ def _layer_mean(values: list) -> float | None:
     """Mean of the per-layer values that are not None (None when no layer has one)."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
+
+
+def _layer_median(values: list) -> float | None:
+    """Median of the per-layer values that are not None (None when no layer has one)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def run_status(metrics: Metrics | None, timing: Timing | None, limit: int | None = None) -> str:

@@ -39,6 +39,11 @@ def _setting(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+def budget_text(value) -> str:
+    """A budget as the tables print it: ``64`` for 64 tokens, ``0.1`` for 10% of each prompt."""
+    return _setting(float(value))
+
+
 def method_label(row: pd.Series) -> str:
     """The method's name and every ``cache.*`` setting of its run that differs from the method's default
     (e.g. ``topk[n_dense_layers=2]``), read from the run's ``config.yaml``. A suite's official setting of the
@@ -105,7 +110,7 @@ def cell_table(group: pd.DataFrame) -> str:
     """One markdown table: a row per method, a column per budget."""
     budgets = sorted(group["budget"].dropna().unique())
     order = sorted(group["method"].unique(), key=lambda m: (m != "full", m))
-    lines = ["| method | " + " | ".join(f"budget {_setting(float(b))}" for b in budgets) + " |",
+    lines = ["| method | " + " | ".join(f"budget {budget_text(b)}" for b in budgets) + " |",
              "| --- |" + " --- |" * len(budgets)]
     for method in order:
         rows = group[group["method"] == method]
@@ -115,7 +120,7 @@ def cell_table(group: pd.DataFrame) -> str:
             if len(at):
                 entries.append(score_entry(at.iloc[0]))
             elif method == "full" and len(rows):  # the full cache ignores the budget: one run stands for all
-                entries.append(score_entry(rows.iloc[0]) + f" (run at {_setting(float(rows.iloc[0]['budget']))})")
+                entries.append(score_entry(rows.iloc[0]) + f" (run at {budget_text(rows.iloc[0]['budget'])})")
             else:
                 entries.append("")
         lines.append(f"| {method} | " + " | ".join(entries) + " |")
@@ -127,7 +132,7 @@ def miss_list(group: pd.DataFrame) -> str:
     for _, row in group.sort_values(["method", "budget"]).iterrows():
         missed = misses(row["run_dir"])
         if missed:
-            lines.append(f"- {row['method']} at {_setting(float(row['budget']))} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
+            lines.append(f"- {row['method']} at {budget_text(row['budget'])} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
     return "\n".join(lines) or "- none"
 
 
@@ -139,7 +144,7 @@ def stat_table(group: pd.DataFrame, columns: dict[str, str], digits: int = 3) ->
     rows = group[group[list(present)].notna().any(axis=1)].sort_values(["method", "budget"])
     lines = ["| method | budget | " + " | ".join(present.values()) + " |", "| --- | --- |" + " --- |" * len(present)]
     for _, row in rows.iterrows():
-        lines.append(f"| {row['method']} | {_setting(float(row['budget']))} | "
+        lines.append(f"| {row['method']} | {budget_text(row['budget'])} | "
                      + " | ".join(_fmt(row[c], 0 if c in COUNT_COLUMNS else digits) for c in present) + " |")
     return "\n".join(lines)
 
@@ -165,8 +170,32 @@ def agreement_table(group: pd.DataFrame) -> str | None:
         entries = ["-" if pd.isna(row.get(c)) else
                    f"{_fmt(row[c], d)} [{_fmt(row.get(c + '_ci_low'), d)}, {_fmt(row.get(c + '_ci_high'), d)}]"
                    for c, (_, d) in AGREEMENT_HEADINGS.items()]
-        lines.append(f"| {row['method']} | {_setting(float(row['budget']))} | {_fmt(row.get('score'))} | " + " | ".join(entries)
+        lines.append(f"| {row['method']} | {budget_text(row['budget'])} | {_fmt(row.get('score'))} | " + " | ".join(entries)
                      + f" | {int(row['n_agreement'])} |")
+    return "\n".join(lines)
+
+
+TASK_TITLE = ("Per task (the papers' Table 2 layout: each task's score, Avg. = the suite's score, their mean over "
+              "tasks; attended = past tokens attended per head at a decode step, its median over the layers, which "
+              "is a budgeted layer's where most layers are budgeted):")
+
+
+def task_table(group: pd.DataFrame) -> str | None:
+    """A row per run: its score on each task of the suite (``task/<name>``; no column for a suite of one task), the
+    average and the median layer's attended tokens (``effective_tokens_median``); None when there is neither more
+    than one task nor an attended count."""
+    tasks = sorted(c for c in group if c.startswith("task/") and group[c].notna().any())
+    attended = "effective_tokens_median" in group and group["effective_tokens_median"].notna().any()
+    if len(tasks) < 2:
+        if not attended:
+            return None
+        tasks = []
+    rows = group.assign(_full=group["method"] != "full").sort_values(["_full", "method", "budget"])
+    names = [t.split("/", 1)[1] for t in tasks] + ["Avg.", "attended"]
+    lines = ["| method | budget | " + " | ".join(names) + " |", "| --- | --- |" + " --- |" * len(names)]
+    for _, row in rows.iterrows():
+        cells = [_fmt(row[t], 1) for t in tasks] + [_fmt(row["score"], 1), _fmt(row.get("effective_tokens_median"))]
+        lines.append(f"| {row['method']} | {budget_text(row['budget'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -194,6 +223,9 @@ def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) ->
         n = group["n"] if "n" in group else group["n_samples"]  # without intervals (draws=0) no pairing counted n
         parts += [f"### {title}", f"n = {int(n.max())} samples per run; commit {commits}", "",
                   cell_table(group), ""]
+        per_task = task_table(group)
+        if per_task:
+            parts += [TASK_TITLE, "", per_task, ""]
         agreement = agreement_table(group)
         if agreement:
             parts += [AGREEMENT_TITLE, "", agreement, ""]
