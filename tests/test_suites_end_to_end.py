@@ -74,3 +74,24 @@ def test_judge_is_the_model_under_test_by_default_else_the_named_model_loaded_on
     judge = longgenbench.make_judge(model, tok, "tiny-qwen3", "tiny-llama", "cpu")
     assert judge(prompt, 7) == judge(prompt, 7) == expected(other)
     assert loads == [("tiny-qwen3", "cpu")]
+
+
+@pytest.mark.parametrize("suite", ["longbench", "gsm8k"])
+def test_a_replayed_run_predicts_what_the_live_run_predicts(tmp_path, suite):
+    """The paper tables prefill each prompt once and replay it into every method (``prefill_cache``): a run that
+    captures the prefills, and one that reads them back from disk, generate IceCache's live predictions."""
+    eval_cfg, n_samples, data = SUITES[suite]
+    if not (DATA_DIR / data).is_dir():
+        pytest.skip(f"shared data not at {DATA_DIR / data}")
+    live = run_eval(suite_cfg(tmp_path / "live", dict(eval_cfg), "icecache"))
+    replayed = [run_eval({**suite_cfg(tmp_path / name, dict(eval_cfg), "icecache"),
+                          "prefill_cache": str(tmp_path / "prefill")}) for name in ("captured", "read")]
+
+    def rows(run_dir):
+        return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+
+    expected = [(r["id"], r["prediction"], r["output_ids"]) for r in rows(live)]
+    assert len(expected) == n_samples and all(r["timing"]["prefill"] == "live" for r in rows(live))
+    for run_dir in replayed:
+        assert [(r["id"], r["prediction"], r["output_ids"]) for r in rows(run_dir)] == expected
+        assert json.loads((run_dir / "timing.json").read_text())["prefill"] == {"replayed": n_samples, "live": 0}
