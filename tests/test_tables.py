@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evals.output import archive, results, tables
+from evals.output import archive, plan, results, tables
 from evals.tasks.passkey import Passkey
 
 IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
@@ -84,6 +84,17 @@ def test_per_task_table_gives_each_task_the_average_and_the_median_layer_attende
     assert "Avg." not in tables.render(tmp_path / "one", draws=0)  # one task, nothing attended: no table
     write_run(tmp_path / "gsm", "icecache", 64, [1], effective=[500, 40, 40])
     assert "| icecache | 64 | 100.0 | 40 |" in tables.render(tmp_path / "gsm", draws=0).splitlines()
+
+
+def test_a_plan_lists_the_cells_no_finished_run_holds(folder, tmp_path):
+    cells = ("full@64", "icecache@256", "topk[n_dense_layers=2]@64", "icecache@64/3", "topk@64")
+    assert plan.missing(folder, cells) == ["icecache@256", "topk@64"]  # topk ran with n_dense_layers=2 only
+    write_run(tmp_path / "limited", "pqcache", 64, [1, 1], limit=2)
+    assert plan.missing(tmp_path / "limited", ("pqcache@64/2", "pqcache@64/3", "pqcache@64")) == [
+        "pqcache@64/3", "pqcache@64"]  # two samples hold a cell of two, not one of three nor the whole suite
+    assert plan.missing_text(folder, cells[:1]).startswith("Every cell of this table's plan (1 in all)")
+    assert "`icecache@256`, `topk@64`" in plan.missing_text(folder, cells)
+    assert plan.missing(tmp_path / "nothing", ("full@64",)) == ["full@64"]
 
 
 def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tmp_path):

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import claims
+from . import claims, plan
 from .row_tables import ablation_markdown, decode_markdown, parse_aliases, read_rows, search_bound_markdown
 from .tables import render
 
@@ -35,6 +35,9 @@ LONGCTX = ("`PF` the prefill directory (0.8 GB per 32k prompt), "
            "`topk[n_dense_layers=2]` is the exact top-k with IceCache's two dense layers; "
            "`icecache[min_fov=1000000, prop_to_retrieve=1]` is IceCache with every key scored (docs/fidelity.md, "
            "\"Bounds\").")
+PAPER = ("`M=\"model=qwen2.5-coder-0.5b prefill_cache=$PF results_dir=results/paper\"` and `PF` the prefill "
+         "directory; the run directories are copied with `python -m evals.output.archive results/paper "
+         "reference_results/paper`:")
 SMOLLM2 = ("SmolLM2-135M-Instruct; every prompt prefilled once and replayed into each configuration "
            "(`evals.bench.ablation`, docs/benchmarks.md). Columns: accuracy in % per task and its mean over the "
            "tasks, samples, the most past tokens attended per head in a budgeted layer (mean over a step), and the "
@@ -57,6 +60,7 @@ class Section:
     folder: str  # under reference_results/
     about: str
     limited: bool = False  # tabulate runs made with limit=N (evals.output.tables --limited)
+    plan: tuple[str, ...] = ()  # the cells the table is meant to hold (evals.output.plan); the missing ones listed
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,39 @@ class Rows:
 SECTIONS = (
     Section("LongBench (Qwen2.5-Coder-0.5B-Instruct, the 24 shared rows)", "paper/longbench",
             "Every prompt prefilled once with exact attention and replayed into each method "
-            "(`prefill_cache`); every method at its LongBench settings (`conf/suite_cache/`, docs/fidelity.md)."),
+            "(`prefill_cache`); every method at its LongBench settings (`conf/suite_cache/`, docs/fidelity.md); "
+            "SnapKV and H2O compute statistics during the prefill and run it live. Runs (one method per command), "
+            "with " + PAPER + bash(
+                "python run.py -m $M eval=longbench cache=icecache budget=64,128,256   # and icecache_tuned, "
+                "page_oracle",
+                "python run.py -m $M eval=longbench cache=topk cache.n_dense_layers=2 budget=64,128,256",
+                "python run.py -m $M eval=longbench cache=icecache budget=64 "
+                "cache.budget_layout=fixed cache.n_sink_pages=0   # the 64-token readings",
+                "python run.py -m $M eval=longbench cache=icecache budget=64 cache.page_size=8",
+                "python run.py -m $M eval=longbench cache=icecache budget=64 cache.budget_layout=retrieved",
+                "python run.py -m $M eval=longbench cache=pqcache budget=64,256   # and icecache_reuse, quest, "
+                "omnikv, magicpig, streaming_llm",
+                "python run.py -m $M eval=longbench cache=arkvale budget=256   # at 64: cache.page_size=8",
+                "python run.py -m $M eval=longbench cache=snapkv budget=256   # and h2o; cache=full budget=64"),
+            plan=plan.LONGBENCH),
     Section("GSM8K chain-of-thought (Qwen2.5-Coder-0.5B-Instruct, the first test problems)", "paper/gsm8k",
             "PQCache's protocol (10-shot CoT file, 256 new tokens); the problems are the first `limit` of "
-            "`gsm8k/test.jsonl` in file order, fixed before any run; budget 0.1 = 10% of each prompt.", limited=True),
+            "`gsm8k/test.jsonl` in file order, fixed before any run; budget 0.1 = 10% of each prompt (IceCache "
+            "with GSM8K's `ratio_1=0.03`, conf/suite_cache/). Runs, with " + PAPER + bash(
+                "python run.py -m $M eval=gsm8k limit=50 budget=0.1 cache=full   # and icecache, "
+                "icecache_reuse, pqcache",
+                "python run.py -m $M eval=gsm8k limit=50 cache=icecache budget=64,256",
+                "python run.py -m $M eval=gsm8k limit=20 budget=0.1 cache=quest   # and every other method"),
+            limited=True, plan=plan.GSM8K),
+    Section("LongGenBench, short subset capped at 512 new tokens (Qwen2.5-Coder-0.5B-Instruct)", "paper/longgenbench",
+            "The first item of each of the short subset's four types (`limit=1`), 512 new tokens each (the official "
+            "16,000 are out of reach on a CPU; a capped run scores the units written before the cap); the judge is "
+            "the model under test (`eval.judge_model=null`: the official Llama-3.1-8B judge is not installed here), "
+            "the official sampled decoding with its seed; agreement with the full cache's output beside it. Runs, "
+            "with " + PAPER + bash(
+                "python run.py -m $M eval=longgenbench eval.max_new_tokens=512 eval.judge_model=null limit=1 \\",
+                "    budget=256 cache=full   # and every method"),
+            limited=True, plan=plan.LONGGENBENCH),
     Section("The 64-token readings and the two bounds (SmolLM2-135M-Instruct)", "readings",
             "IceCache's four readings of a 64-token budget (docs/fidelity.md, the table under IceCache) beside the "
             "page oracle (`page_oracle`: IceCache's pages, the exact best ones) and the exact top-k (`topk` with "
@@ -206,7 +239,9 @@ def section_text(section: Section, root: Path, draws: int) -> str:
     flag = " --limited" if section.limited else ""
     head += [f"Command: `python -m evals.output.tables{flag} {REFERENCE}/{section.folder}`; machine: "
              + "; ".join(machines(folder)) + ".", ""]
-    return "\n".join(head) + render(folder, draws, section.limited).rstrip() + "\n"
+    if section.plan:
+        head += [plan.missing_text(folder, section.plan), ""]
+    return "\n".join(head) + "\n" + render(folder, draws, section.limited).rstrip() + "\n"
 
 
 def rows_text(section: Rows, root: Path, draws: int) -> str:
