@@ -77,13 +77,14 @@ def test_per_task_table_gives_each_task_the_average_and_the_median_layer_attende
     write_run(root, "full", 64, [1, 1, 1, 1], tasks=tasks, effective=[1000, 1000, 1000])
     write_run(root, "icecache", 64, [1, 0, 0, 0], tasks=tasks, effective=[1000, 30, 34, None])  # a dense layer
     lines = tables.render(root, draws=0).splitlines()
-    assert "| method | budget | passkey_1024 | passkey_2048 | Avg. | attended |" in lines
-    assert "| full | 64 | 100.0 | 100.0 | 100.0 | 1000 |" in lines
-    assert "| icecache | 64 | 50.0 | 0.0 | 25.0 | 34 |" in lines  # the median of 1000, 30, 34
+    assert "| method | budget | passkey_1024 | passkey_2048 | Avg. | attended | run directory @ commit |" in lines
+    assert any(line.startswith("| full | 64 | 100.0 | 100.0 | 100.0 | 1000 | `full-b64-") for line in lines)
+    ice = next(line for line in lines if line.startswith("| icecache | 64 | 50.0 | 0.0 | 25.0 | 34 | "))  # median
+    assert ice.split(" | ")[-1].startswith("`icecache-b64-") and " @ " in ice  # the run and its commit
     write_run(tmp_path / "one", "full", 64, [1])
     assert "Avg." not in tables.render(tmp_path / "one", draws=0)  # one task, nothing attended: no table
     write_run(tmp_path / "gsm", "icecache", 64, [1], effective=[500, 40, 40])
-    assert "| icecache | 64 | 100.0 | 40 |" in tables.render(tmp_path / "gsm", draws=0).splitlines()
+    assert "| icecache | 64 | 100.0 | 40 | `icecache-b64-" in tables.render(tmp_path / "gsm", draws=0)
 
 
 def test_a_plan_lists_the_cells_no_finished_run_holds(folder, tmp_path):

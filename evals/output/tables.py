@@ -175,9 +175,18 @@ def agreement_table(group: pd.DataFrame) -> str | None:
     return "\n".join(lines)
 
 
+def run_at_commit(row: pd.Series) -> str:
+    """``<run directory> @ <commit>`` of a run (its ``config.yaml`` holds the resolved configuration); the
+    commits of a run resumed across commits joined by ``+``."""
+    commits = str(row.get("commit") or "").replace(",", " ").split()
+    text = "+".join(c[:7] + ("-dirty" if c.endswith("-dirty") else "") for c in commits) or "-"
+    return f"`{Path(row['run_dir']).name}` @ {text}"
+
+
 TASK_TITLE = ("Per task (the papers' Table 2 layout: each task's score, Avg. = the suite's score, their mean over "
               "tasks; attended = past tokens attended per head at a decode step, its median over the layers, which "
-              "is a budgeted layer's where most layers are budgeted):")
+              "is a budgeted layer's where most layers are budgeted; the run directory holds the run's resolved "
+              "configuration, `config.yaml`):")
 
 
 def task_table(group: pd.DataFrame) -> str | None:
@@ -191,10 +200,11 @@ def task_table(group: pd.DataFrame) -> str | None:
             return None
         tasks = []
     rows = group.assign(_full=group["method"] != "full").sort_values(["_full", "method", "budget"])
-    names = [t.split("/", 1)[1] for t in tasks] + ["Avg.", "attended"]
+    names = [t.split("/", 1)[1] for t in tasks] + ["Avg.", "attended", "run directory @ commit"]
     lines = ["| method | budget | " + " | ".join(names) + " |", "| --- | --- |" + " --- |" * len(names)]
     for _, row in rows.iterrows():
-        cells = [_fmt(row[t], 1) for t in tasks] + [_fmt(row["score"], 1), _fmt(row.get("effective_tokens_median"))]
+        cells = [_fmt(row[t], 1) for t in tasks] + [_fmt(row["score"], 1), _fmt(row.get("effective_tokens_median")),
+                                                     run_at_commit(row)]
         lines.append(f"| {row['method']} | {budget_text(row['budget'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
