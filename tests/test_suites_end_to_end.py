@@ -76,16 +76,26 @@ def test_judge_is_the_model_under_test_by_default_else_the_named_model_loaded_on
     assert loads == [("tiny-qwen3", "cpu")]
 
 
-@pytest.mark.parametrize("suite", ["longbench", "gsm8k"])
+# eval config, samples (limit=1: one per task), shared-data folder, model max_length (LongBench cuts prompts to it)
+REPLAYED = {"longbench": ({"name": "longbench", "tasks": ["trec"], "chat_format": "none"}, 1, "longbench_sample", 2048),
+            "gsm8k": ({"name": "gsm8k", "max_new_tokens": 24}, 1, "gsm8k", 16384)}
+
+
+@pytest.mark.parametrize("suite", sorted(REPLAYED))
 def test_a_replayed_run_predicts_what_the_live_run_predicts(tmp_path, suite):
     """The paper tables prefill each prompt once and replay it into every method (``prefill_cache``): a run that
-    captures the prefills, and one that reads them back from disk, generate IceCache's live predictions."""
-    eval_cfg, n_samples, data = SUITES[suite]
+    captures the prefills, and one that reads them back from disk, generate IceCache's live predictions (one sample
+    per task)."""
+    eval_cfg, n_samples, data, max_length = REPLAYED[suite]
     if not (DATA_DIR / data).is_dir():
         pytest.skip(f"shared data not at {DATA_DIR / data}")
-    live = run_eval(suite_cfg(tmp_path / "live", dict(eval_cfg), "icecache"))
-    replayed = [run_eval({**suite_cfg(tmp_path / name, dict(eval_cfg), "icecache"),
-                          "prefill_cache": str(tmp_path / "prefill")}) for name in ("captured", "read")]
+
+    def cfg(name, **more):
+        base = suite_cfg(tmp_path / name, dict(eval_cfg), "icecache")
+        return {**base, "model": {**base["model"], "max_length": max_length}, "limit": 1, **more}
+
+    live = run_eval(cfg("live"))
+    replayed = [run_eval(cfg(name, prefill_cache=str(tmp_path / "prefill"))) for name in ("captured", "read")]
 
     def rows(run_dir):
         return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
