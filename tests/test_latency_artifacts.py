@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers import build_tiny, generate_with
+from helpers import build_tiny, generate_with, replace_hook
 
 import icecache.kv.storage as storage
 from evals.registry import make_cache
@@ -139,7 +139,7 @@ class SyncCounter:
                 return decode(*args, **kwargs)
             finally:
                 self.in_decode = False
-        monkeypatch.setattr(cache.method, "decode", counted_decode)
+        replace_hook(cache.method, "decode", counted_decode)  # this test's own method object
 
     def _wrap(self, name, real):
         def counted(tensor, *args, **kwargs):
