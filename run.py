@@ -293,17 +293,19 @@ def options_of_swept_groups(argv: list[str]) -> list[str]:
     refuses it; ``++`` sets it there and in every job. :func:`command_line_error` has composed each job with the
     option as written, so an option that one of the swept choices lacks is still refused."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
 
-    if not {"-m", "--multirun"} & set(argv):
+    args, problem = _read_flags(argv)
+    if problem or not args.multirun:
         return argv
-    settings = [token for token in argv if not token.startswith("-")]
     try:
-        parsed = OverridesParser.create().parse_overrides(settings)
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
     except Exception:  # command_line_error reported it
         return argv
     swept = {o.key_or_group for o in parsed if o.is_sweep_override() and "." not in o.key_or_group}
-    return [f"++{token}" if not token.startswith(("-", "+", "~")) and token.split("=", 1)[0].split(".", 1)[0]
-            in swept and "." in token.split("=", 1)[0] else token for token in argv]
+    forced = {o.input_line for o in parsed  # an option (group.key=value) of a swept group, written without + or ~
+              if o.type == OverrideType.CHANGE and "." in o.key_or_group and o.key_or_group.split(".")[0] in swept}
+    return [f"++{token}" if token in forced else token for token in argv]
 
 
 if __name__ == "__main__":

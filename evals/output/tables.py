@@ -175,12 +175,17 @@ def agreement_table(group: pd.DataFrame) -> str | None:
     return "\n".join(lines)
 
 
+def short_commits(value) -> list[str]:
+    """The commits of a run's ``commit`` entry (several for a run resumed across commits), each as its first
+    7 characters, ``-dirty`` kept."""
+    commits = "" if value is None or pd.isna(value) else str(value)
+    return [c[:7] + ("-dirty" if c.endswith("-dirty") else "") for c in commits.replace(",", " ").split()]
+
+
 def run_at_commit(row: pd.Series) -> str:
     """``<run directory> @ <commit>`` of a run (its ``config.yaml`` holds the resolved configuration); the
     commits of a run resumed across commits joined by ``+``."""
-    commits = str(row.get("commit") or "").replace(",", " ").split()
-    text = "+".join(c[:7] + ("-dirty" if c.endswith("-dirty") else "") for c in commits) or "-"
-    return f"`{Path(row['run_dir']).name}` @ {text}"
+    return f"`{Path(row['run_dir']).name}` @ {'+'.join(short_commits(row.get('commit'))) or '-'}"
 
 
 TASK_TITLE = ("Per task (the papers' Table 2 layout: each task's score, Avg. = the suite's score, their mean over "
@@ -229,7 +234,7 @@ def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) ->
         common = {k: v for k, v in settings(read_config(Path(group["run_dir"].iloc[0]))).items()
                   if k.startswith("eval.") and k not in key and k.split(".", 1)[1] in TITLE_SETTINGS}
         title = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in {**key, **common}.items())
-        commits = ", ".join(sorted(group["commit"].dropna().astype(str).str[:7].unique()))
+        commits = ", ".join(sorted({c for value in group["commit"] for c in short_commits(value)}))
         n = group["n"] if "n" in group else group["n_samples"]  # without intervals (draws=0) no pairing counted n
         parts += [f"### {title}", f"n = {int(n.max())} samples per run; commit {commits}", "",
                   cell_table(group), ""]
