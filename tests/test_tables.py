@@ -138,6 +138,23 @@ def test_limited_runs_are_tabulated_on_request_in_a_cell_of_their_limit(tmp_path
     assert "| icecache | 60 [" in limited and "(-40 [" in limited and "streaming_llm" not in limited
 
 
+def test_a_longer_limited_run_stands_in_a_shorter_limits_cell_on_its_first_samples(tmp_path):
+    root = tmp_path / "results"
+    write_run(root, "full", 64, [1, 1, 1, 0, 1], limit=5)
+    write_run(root, "pqcache", 64, [1, 1, 0, 0, 0], limit=5)
+    write_run(root, "icecache", 64, [1, 0, 1], limit=3)
+    write_run(root, "icecache", 64, [1, 1, 1, 1, 1], limit=5)  # a run of limit 3 exists: no view of this one there
+    cells = tables.render(root, draws=50, limited=True).split("### ")[1:]
+    short, whole = (next(cell for cell in cells if f"limit={n}," in cell.split("\n", 1)[0]) for n in (3, 5))
+    assert "| full | 100 [100, 100] |" in short and "| pqcache | 67 [" in short and "(-33 [" in short
+    assert "| icecache | 67 [" in short and "| icecache | 100 [" not in short
+    assert "- pqcache at 64 (" in short and "(first 3 of 5)): passkey-1024-0.200" in short
+    assert "| full | 80 [" in whole and "| pqcache | 40 [" in whole and "of 5)" not in whole
+    agreement = short[short.index(tables.AGREEMENT_TITLE):]
+    assert "| pqcache | 64 | 67 |" in agreement and agreement.split("| pqcache | 64 | 67 |")[1].split("\n")[0].endswith(
+        "| 3 |")
+
+
 def test_missing_folder_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tables.main([str(tmp_path / "nowhere")])

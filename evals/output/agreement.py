@@ -39,7 +39,6 @@ cache run paired with itself shows 100, its mean output length and 100.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -47,7 +46,7 @@ import numpy as np
 from ..tasks import gsm8k
 from ..tasks.longbench import CHINESE_TASKS
 from ..tasks.longbench.metrics import _jieba_cut, normalize_answer, normalize_zh_answer, rouge_score, scored_text
-from .results import load_predictions
+from .results import prediction_key, run_predictions
 from .pairing import DRAWS, LEVEL, SEED, full_reference, percentile_interval, resample_means
 
 ROUGE_MAX_WORDS = 1024  # longer texts get rouge_l None (GSM8K's 256 and LongBench's <= 512 new tokens are shorter)
@@ -162,7 +161,7 @@ def add_agreement(rows: list[dict], flat: list[dict], draws: int = DRAWS, seed: 
     that has a full cache run to pair with (:func:`evals.output.pairing.full_reference`, the full cache run of
     ``diff_to_full``), whatever its suite; ``cache``: predictions already read, by run directory."""
     cache = {} if cache is None else cache
-    loaded = {i: cache.get(row["run_dir"]) or load_predictions(Path(row["run_dir"]) / "predictions.jsonl")
+    loaded = {i: cache.get(prediction_key(row)) or run_predictions(row)
               for i, row in enumerate(rows) if row.get("status", "incomplete") != "incomplete"}
     for i, preds in loaded.items():
         ref = full_reference(i, rows, flat, loaded)

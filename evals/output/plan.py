@@ -10,7 +10,7 @@ The plans of the paper's tables (IceCache, ICLR 2026, Table 2 and the GSM8K / Lo
 harness's scale: budgets 64, 128 and 256 for IceCache, its tuned variant and the two bounds, IceCache's 64-token
 readings (docs/fidelity.md), every other method at 256 and at 64 where it takes that budget, the live-prefill
 methods (SnapKV, H2O) at 256; GSM8K-CoT at the paper's 10% budget on the first 50 problems for the full cache,
-IceCache, IceCache(reuse) and PQCache and on the first 20 for the others, IceCache also at 64 and 256;
+IceCache, IceCache(reuse) and PQCache and on the first 20 for the others, IceCache also at 64 and 256 (first 20);
 LongGenBench at 256 on the short subset's first item of each of its four types.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ LONGBENCH = ("full@64",
              *(f"{m}@{b}" for m in AT_64_AND_256 for b in (64, 256)),
              "arkvale[page_size=8]@64", "arkvale@256", "snapkv@256", "h2o@256")
 GSM8K = (*(f"{m}@0.1/50" for m in ("full", "icecache", "icecache_reuse", "pqcache")),
-         "icecache@64/50", "icecache@256/50",
+         "icecache@64/20", "icecache@256/20",
          *(f"{m}@0.1/20" for m in ("quest", "arkvale", "omnikv", "magicpig", "streaming_llm", "icecache_tuned",
                                     *BOUNDS, "snapkv", "h2o")))
 LONGGENBENCH = tuple(f"{m}@256/4" for m in ("full", "icecache", "icecache_reuse", "pqcache", "quest", "arkvale",

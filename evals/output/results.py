@@ -264,6 +264,17 @@ def load_predictions(path: Path, repair: bool = False) -> list[dict]:
     return rows
 
 
+def prediction_key(row: dict) -> tuple[str, int | None]:
+    """The key of a row's predictions in a cache of them: its run directory and, for a view, its sample count."""
+    return row["run_dir"], row.get("first_n")
+
+
+def run_predictions(row: dict) -> list[dict]:
+    """A row's ``predictions.jsonl`` rows: all of them, or for a view of :func:`evals.output.summary.first_n_views` its first
+    ``first_n``."""
+    return load_predictions(Path(row["run_dir"]) / "predictions.jsonl")[:row.get("first_n")]
+
+
 def _quarantine(path: Path, bad: list[tuple[int, bytes]]) -> None:
     if not bad:
         return

@@ -95,10 +95,12 @@ SECTIONS = (
     Section("GSM8K chain-of-thought (Qwen2.5-Coder-0.5B-Instruct, the first test problems)", "paper/gsm8k",
             "PQCache's protocol (10-shot CoT file, 256 new tokens); the problems are the first `limit` of "
             "`gsm8k/test.jsonl` in file order, fixed before any run; budget 0.1 = 10% of each prompt (IceCache "
-            "with GSM8K's `ratio_1=0.03`, conf/suite_cache/). Runs, with " + PAPER + bash(
+            "with GSM8K's `ratio_1=0.03`, conf/suite_cache/); the 50-problem runs also stand in the 20-problem table "
+            "on their first 20 problems, marked `(first 20 of 50)`, so that every method is compared on the same "
+            "problems there (their attended tokens and search statistics stay the whole run's). Runs, with " + PAPER + bash(
                 "python run.py -m $M eval=gsm8k limit=50 budget=0.1 cache=full   # and icecache, "
                 "icecache_reuse, pqcache",
-                "python run.py -m $M eval=gsm8k limit=50 cache=icecache budget=64,256",
+                "python run.py -m $M eval=gsm8k limit=20 cache=icecache budget=64,256",
                 "python run.py -m $M eval=gsm8k limit=20 budget=0.1 cache=quest   # and every other method"),
             limited=True, plan=plan.GSM8K),
     Section("LongGenBench, short subset capped at 512 new tokens (Qwen2.5-Coder-0.5B-Instruct)", "paper/longgenbench",

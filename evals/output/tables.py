@@ -11,7 +11,9 @@ its 95% bootstrap interval; the full cache's own row gives its mean output lengt
 missed (ids and their score), IceCache's search
 statistics where a run records them (``stat/search_scored_fraction``: the mean fraction of the indexed keys
 a search scored; ``stat/search_nodes_expanded``), and the ``diagnostics=recall`` attention-mass recall on the
-common layer set where the runs were probed. Nothing is written.
+common layer set where the runs were probed. With ``--limited`` the runs made with ``limit=N`` are tabulated too,
+a cell per limit, and a longer limited run also stands in each shorter limit's cell on its first samples (marked
+``(first N of M)``), so that every method of a suite is compared on the same samples there. Nothing is written.
 """
 from __future__ import annotations
 
@@ -77,9 +79,10 @@ def score_entry(row: pd.Series) -> str:
     return text
 
 
-def misses(run_dir: str | Path) -> str:
-    """The samples of a run that did not score 1: their ids (with the score where it is partial), or ``all N``."""
-    rows = load_predictions(Path(run_dir) / "predictions.jsonl")
+def misses(run_dir: str | Path, first_n: int | None = None) -> str:
+    """The samples of a run (of its first ``first_n``) that did not score 1: their ids (with the score where it is
+    partial), or ``all N``."""
+    rows = load_predictions(Path(run_dir) / "predictions.jsonl")[:first_n]
     missed = [r for r in rows if r["scores"]["score"] < 1]
     if missed and len(missed) == len(rows) and all(r["scores"]["score"] == 0 for r in missed):
         return f"all {len(rows)}"
@@ -130,9 +133,10 @@ def cell_table(group: pd.DataFrame) -> str:
 def miss_list(group: pd.DataFrame) -> str:
     lines = []
     for _, row in group.sort_values(["method", "budget"]).iterrows():
-        missed = misses(row["run_dir"])
+        missed = misses(row["run_dir"], first_n(row))
         if missed:
-            lines.append(f"- {row['method']} at {budget_text(row['budget'])} ({row['run_dir'].rsplit('/', 1)[-1]}): {missed}")
+            lines.append(f"- {row['method']} at {budget_text(row['budget'])} ({row['run_dir'].rsplit('/', 1)[-1]}"
+                         f"{view_text(row)}): {missed}")
     return "\n".join(lines) or "- none"
 
 
@@ -182,10 +186,21 @@ def short_commits(value) -> list[str]:
     return [c[:7] + ("-dirty" if c.endswith("-dirty") else "") for c in commits.replace(",", " ").split()]
 
 
+def first_n(row: pd.Series) -> int | None:
+    """The samples a view of a longer run holds (:func:`evals.output.summary.first_n_views`), None for a run."""
+    value = row.get("first_n")
+    return None if value is None or pd.isna(value) else int(value)
+
+
+def view_text(row: pd.Series) -> str:
+    """`` (first N of M)`` for a view of a longer run, empty for a run."""
+    return "" if first_n(row) is None else f" (first {first_n(row)} of {int(row['first_of'])})"
+
+
 def run_at_commit(row: pd.Series) -> str:
     """``<run directory> @ <commit>`` of a run (its ``config.yaml`` holds the resolved configuration); the
-    commits of a run resumed across commits joined by ``+``."""
-    return f"`{Path(row['run_dir']).name}` @ {'+'.join(short_commits(row.get('commit'))) or '-'}"
+    commits of a run resumed across commits joined by ``+``; a view of a longer run says which samples it holds."""
+    return f"`{Path(row['run_dir']).name}`{view_text(row)} @ {'+'.join(short_commits(row.get('commit'))) or '-'}"
 
 
 TASK_TITLE = ("Per task (the papers' Table 2 layout: each task's score, Avg. = the suite's score, their mean over "
@@ -223,8 +238,10 @@ COUNT_COLUMNS = ("stat/search_nodes_expanded",)
 
 def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) -> str:
     """The tables of every complete run under ``results_dir``; ``limited`` adds the finished runs of a ``limit``
-    (the first ``limit`` samples of a suite, ``partial (limit=N)`` in the summary), each in a cell of its limit."""
-    frame = collect(results_dir, draws)
+    (the first ``limit`` samples of a suite, ``partial (limit=N)`` in the summary), each in a cell of its limit,
+    and to the cell of each smaller limit the view of its first samples (:func:`evals.output.summary.first_n_views`),
+    so that every method of a suite stands on the same samples there."""
+    frame = collect(results_dir, draws, views=limited)
     if frame.empty:
         return f"no run directories under {results_dir}"
     frame = frame[(frame["status"] == "complete") | (limited & frame["status"].str.startswith("partial"))]
