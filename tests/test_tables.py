@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evals.output import archive, plan, results, tables
+from evals.output import archive, plan, results, tables, timing
 from evals.tasks.passkey import Passkey
 
 IDS = [f"passkey-1024-0.{d}00" for d in range(5)]
@@ -107,6 +107,28 @@ def test_archive_drops_per_sample_timing_and_keeps_every_table_number(folder, tm
         assert rows and all("timing" not in r and "scores" in r for r in rows)
         assert (run_dir / "timing.json").exists() and (run_dir / "config.yaml").exists()
     assert tables.render(copy, draws=200) == tables.render(folder, draws=200)
+
+
+def test_the_generation_time_is_the_samples_requests_summed_and_the_archive_adds_it_where_missing(tmp_path):
+    timings = [{"tt2t_s": 1.0, "ttft_s": 0.4, "intervals_s": [0.1, 0.2]},
+               {"tt2t_s": None, "ttft_s": 0.5, "intervals_s": []}]  # stopped after one token: its TTFT
+    assert timing.requests_seconds(timings) == pytest.approx(1.0 + 0.1 + 0.2 + 0.5)
+    assert timing.requests_seconds([]) is None
+    root, tasks = tmp_path / "results", ["passkey_1024", "passkey_2048"]
+    run_dir = write_run(root, "full", 64, [1, 1], tasks=tasks, effective=[1000, 1000])
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    for row, t in zip(rows, timings):
+        row["timing"] = t
+    (run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| min |" not in tables.render(root, draws=0)  # written before the time was recorded: no column
+    (copy,) = archive.archive(root, tmp_path / "archived")
+    assert json.loads((copy / "timing.json").read_text())["requests_s"] == pytest.approx(1.8)
+    assert "| 1000 | 0.0 | `full-b64-" in tables.render(tmp_path / "archived", draws=0)  # 1.8 s = 0.03 min
+    recorded = json.loads((run_dir / "timing.json").read_text()) | {"requests_s": 600.0}
+    results.write_json(run_dir / "timing.json", recorded)
+    (copy,) = archive.archive(root, tmp_path / "again")
+    assert json.loads((copy / "timing.json").read_text())["requests_s"] == 600.0  # the run's own record kept
+    assert "| 1000 | 10.0 | `full-b64-" in tables.render(tmp_path / "again", draws=0)
 
 
 def test_archive_partial_keeps_runs_in_progress_whole(folder, tmp_path):

@@ -3,7 +3,8 @@
 Every complete run directory under ``SRC`` (one with ``metrics.json``) is copied to the same relative path under
 ``DST`` with its ``config.yaml``, ``config_hash``, ``resolved.json``, ``metrics.json``, ``timing.json`` and
 ``recall.json``; its ``predictions.jsonl`` keeps every field of every row but the per-sample ``timing`` block
-(the run-level ``timing.json`` keeps the timing summary), which is most of the file's size. The archived
+(the run-level ``timing.json`` keeps the timing summary, to which the archive adds the summed request time,
+``requests_s``, where the run's code did not record it), which is most of the file's size. The archived
 folder reads like any results folder: ``python -m evals.output.summary DST`` and
 ``python -m evals.output.tables DST`` give the same scores and intervals as on ``SRC``.
 
@@ -19,7 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .results import load_predictions
+from .results import load_predictions, write_json
+from .timing import requests_seconds
 
 KEPT_FILES = ("config.yaml", "config_hash", "resolved.json", "metrics.json", "timing.json", "recall.json")
 DROPPED_ROW_FIELDS = ("timing",)
@@ -32,9 +34,21 @@ def archive_run(run_dir: Path, target: Path, dropped: tuple[str, ...] = DROPPED_
         if (run_dir / name).exists():
             shutil.copyfile(run_dir / name, target / name)
     rows = load_predictions(run_dir / "predictions.jsonl")
+    add_requests_time(target / "timing.json", rows)
     with open(target / "predictions.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps({k: v for k, v in row.items() if k not in dropped}) + "\n")
+
+
+def add_requests_time(timing_file: Path, rows: list[dict]) -> None:
+    """Writes ``requests_s`` (:func:`evals.output.timing.requests_seconds` of the rows' per-sample timing) into a
+    ``timing.json`` that lacks it, for runs written before it was recorded; rows without timing leave it as is."""
+    timing = json.loads(timing_file.read_text()) if timing_file.exists() else None
+    timings = [r["timing"] for r in rows if r.get("timing")]
+    if timing is None or timing.get("requests_s") is not None or len(timings) < len(rows):
+        return
+    timing["requests_s"] = requests_seconds(timings)
+    write_json(timing_file, timing)
 
 
 def archive(source: Path, destination: Path, partial: bool = False) -> list[Path]:

@@ -205,14 +205,16 @@ def run_at_commit(row: pd.Series) -> str:
 
 TASK_TITLE = ("Per task (the papers' Table 2 layout: each task's score, Avg. = the suite's score, their mean over "
               "tasks; attended = past tokens attended per head at a decode step, its median over the layers, which "
-              "is a budgeted layer's where most layers are budgeted; the run directory holds the run's resolved "
-              "configuration, `config.yaml`):")
+              "is a budgeted layer's where most layers are budgeted; min = the run's generation time in minutes, its "
+              "samples' requests summed (`requests_s`: prefill and decode, without model loading and scoring); the "
+              "run directory holds the run's resolved configuration, `config.yaml`):")
 
 
 def task_table(group: pd.DataFrame) -> str | None:
     """A row per run: its score on each task of the suite (``task/<name>``; no column for a suite of one task), the
-    average and the median layer's attended tokens (``effective_tokens_median``); None when there is neither more
-    than one task nor an attended count."""
+    average, the median layer's attended tokens (``effective_tokens_median``), the generation time in minutes where
+    runs recorded it (``requests_s``; ``-`` for a view of a longer run's first samples) and the run directory;
+    None when there is neither more than one task nor an attended count."""
     tasks = sorted(c for c in group if c.startswith("task/") and group[c].notna().any())
     attended = "effective_tokens_median" in group and group["effective_tokens_median"].notna().any()
     if len(tasks) < 2:
@@ -220,11 +222,16 @@ def task_table(group: pd.DataFrame) -> str | None:
             return None
         tasks = []
     rows = group.assign(_full=group["method"] != "full").sort_values(["_full", "method", "budget"])
-    names = [t.split("/", 1)[1] for t in tasks] + ["Avg.", "attended", "run directory @ commit"]
+    minutes = "requests_s" in group and group["requests_s"].notna().any()
+    names = [t.split("/", 1)[1] for t in tasks] + ["Avg.", "attended", *(["min"] if minutes else []),
+                                                   "run directory @ commit"]
     lines = ["| method | budget | " + " | ".join(names) + " |", "| --- | --- |" + " --- |" * len(names)]
     for _, row in rows.iterrows():
-        cells = [_fmt(row[t], 1) for t in tasks] + [_fmt(row["score"], 1), _fmt(row.get("effective_tokens_median")),
-                                                     run_at_commit(row)]
+        cells = [_fmt(row[t], 1) for t in tasks] + [_fmt(row["score"], 1), _fmt(row.get("effective_tokens_median"))]
+        if minutes:
+            seconds = row.get("requests_s")
+            cells.append("-" if first_n(row) is not None or seconds is None or pd.isna(seconds) else _fmt(seconds / 60, 1))
+        cells.append(run_at_commit(row))
         lines.append(f"| {row['method']} | {budget_text(row['budget'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

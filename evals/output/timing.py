@@ -31,6 +31,15 @@ def tpot_stats(intervals: list[float]) -> dict:
             "tpot_p90_s": statistics.quantiles(intervals, n=10)[-1] if len(intervals) >= 2 else None}
 
 
+def requests_seconds(timings: list[dict]) -> float | None:
+    """The summed time of the samples' requests (each one's TT2T, or its TTFT when it stopped after one token,
+    plus its later tokens' intervals): the run's generation time, without model loading and scoring; None
+    without per-sample timings."""
+    if not timings:
+        return None
+    return sum((t.get("tt2t_s") or t.get("ttft_s") or 0.0) + sum(t.get("intervals_s") or []) for t in timings)
+
+
 def pool_timing(rows: list[dict], cfg: dict) -> Timing:
     """``timing.json`` from the rows' per-sample timings: TT2T/TTFT means, TPOT over all tokens >= 3 of all
     samples (:func:`tpot_stats`), breakdown per output token. Peak memory is the maximum over every process
@@ -69,6 +78,7 @@ def pool_timing(rows: list[dict], cfg: dict) -> Timing:
         **{key: max((t[key] for t in timings if t.get(key) is not None), default=None) for key in MEMORY_KEYS},
         "transfer_bytes_per_token": sum(t.get("transfer_bytes", 0) for t in timings) / n_tok if n_tok else None,
         "peak_memory_bytes": max(segments.values()) if segments else peak_memory_bytes(),
+        "requests_s": requests_seconds(timings),
         "n_process_segments": len(segments),
         "commits": code_versions(timings),
         "environment": run_environment(cfg),
