@@ -282,7 +282,9 @@ def page(root: Path = ROOT, draws: int = 2000) -> str:
              "In the tables of run directories, entries are `score [95% bootstrap interval]` and, for a method, "
              "`(difference to full [95% paired interval])`, `*` where that interval excludes 0; each table names the "
              "commits of its rows. The accuracy sections report no latency: replayed prefills and shared cores make "
-             "their timings meaningless; the last two sections are latency benchmarks (docs/benchmarks.md says how "
+             "their timings meaningless as a comparison of methods (their `min` column, a run's generation time on "
+             "the machine named, under whatever else ran beside it, says what a rerun costs); the last two sections "
+             "are latency benchmarks (docs/benchmarks.md says how "
              "each benchmark runs and what its columns mean). What the tables say about each method against its "
              "paper: docs/fidelity.md.\n\nSections:\n\n- The paper's claims\n"
              + "\n".join(f"- {s.title}" for s in SECTIONS) + "\n")
