@@ -52,8 +52,9 @@ the official ``InferState`` refuses for ``page_topks=32`` (it asserts ``page_top
 
 The smallest budget at 32-token pages is 256 (8 pages: ``8 // 2 - 2 - 1 = 1`` scored page); smaller budgets
 need smaller pages (``cache.page_size=16`` for 128, ``8`` for 64). A fractional budget (GSM8K's
-``budget=0.1``) resolves to multiples of 16 tokens, at least 64: only ``page_size=8`` takes all of them (the
-run's config check says so otherwise). With these smaller pages ArkVale keeps its passkey accuracy at 128 and
+``budget=0.1``) resolves to whole pages (:func:`evals.registry.budget_multiple`): 10% of GSM8K's 10-shot prompts
+(3,380-3,482 tokens on Qwen2.5-Coder) is 10 pages of 32; a prompt under 2,560 tokens leaves fewer than 8 and is
+refused. With these smaller pages ArkVale keeps its passkey accuracy at 128 and
 64 tokens on SmolLM2-135M, recalling few pages per layer (docs/fidelity.md, "ArkVale", "Deviations").
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ from .models import (RANDOM_CONFIGS, ModelUnavailableError, load_model, load_tok
 from .output import results, wandb_log
 from .task import DataError, resolve_budget
 from .config import ConfigError, check_config, check_results_dir
-from .registry import make_method, suite_class
+from .registry import budget_multiple, make_method, suite_class
 from .runner import generate
 from .output.schema import limit_warning
 from .output.timing import peak_memory_bytes, pool_timing, provenance, run_environment
@@ -72,7 +72,8 @@ class Plan:
     prefill: prefill_cache.PrefillStore | None = None  # prefill_cache=DIR: prompts prefilled once, then replayed
 
     def method(self, n_prompt_tokens: int) -> KVMethod:
-        return make_method(self.method_name, budget=resolve_budget(self.cfg.get("budget"), n_prompt_tokens),
+        multiple = budget_multiple(self.method_name, self.method_options)
+        return make_method(self.method_name, budget=resolve_budget(self.cfg.get("budget"), n_prompt_tokens, multiple),
                            debug=bool(self.cfg.get("debug")), **self.method_options)
 
 
@@ -84,12 +85,12 @@ def plan(cfg: dict) -> Plan:
     budget = cfg.get("budget")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
-        make_method(name, budget=resolve_budget(budget, 1 << 20), **options)
+        make_method(name, budget=resolve_budget(budget, 1 << 20, budget_multiple(name, options)), **options)
     except (TypeError, ValueError) as err:
         if isinstance(err, BudgetError) and isinstance(budget, float) and 0 < budget < 1:
             raise BudgetError(f"{err} (checked at a {1 << 20}-token prompt: budget={budget} is a fraction of each "
-                              "prompt, resolved to a multiple of 16 tokens, at least 64, which this method does not "
-                              "always accept; give it a whole number of tokens)") from None
+                              f"prompt, resolved to a multiple of {budget_multiple(name, options)} tokens, at least "
+                              "64, which this method does not always accept; give it a whole number of tokens)") from None
         if isinstance(err, (BudgetError, UnknownNameError)):
             raise
         raise ConfigError(f"cache '{name}': {err}") from None

@@ -11,6 +11,7 @@ generated from the dataclass (:mod:`evals.config`).
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import fields
 
 import torch
@@ -63,6 +64,17 @@ def method_class(name: str) -> type[KVMethod]:
 
 def suite_class(name: str):
     return _load(SUITES, "eval", name)
+
+
+def budget_multiple(name: str, hyperparameters: dict) -> int:
+    """The multiple of tokens a fractional budget resolves to for method ``name`` (:func:`evals.task.resolve_budget`):
+    16 (PQCache's ``compress_ratio`` budgets), or for a method with pages of a fixed size its least common multiple
+    with that size, so that a fraction is read as whole pages (ArkVale's 32-token pages: multiples of 32; its
+    budget is a whole number of pages, ``page_budgets = budget / page_size``). A page size resolved from the
+    budget itself (``icecache_tuned``) leaves 16."""
+    size = hyperparameters.get("page_size", next((f.default for f in fields(method_class(name))
+                                                  if f.name == "page_size"), None))
+    return math.lcm(16, size) if isinstance(size, int) and size > 0 else 16
 
 
 def make_method(name: str, budget: int | None = None, **hyperparameters) -> KVMethod:

@@ -161,7 +161,8 @@ class Suite:
 def resolve_budget(budget, n_prompt_tokens: int, multiple: int = 16, minimum: int = 64) -> int | None:
     """Token budget for one sample. A float in (0, 1) is that fraction of the prompt's tokens, rounded
     down to a multiple of ``multiple`` and at least ``minimum`` (PQCache's ``compress_ratio``; IceCache's
-    "10% budget"); a whole number >= 1 is a budget in tokens; ``None`` means no budget."""
+    "10% budget"; the harness passes :func:`evals.registry.budget_multiple`, whole pages for a paged method); a
+    whole number >= 1 is a budget in tokens; ``None`` means no budget."""
     if budget is None:
         return None
     value = float(budget)

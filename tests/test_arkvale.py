@@ -175,16 +175,22 @@ def test_the_scripts_page_topks_is_the_papers_cap_at_small_budgets(budget, page_
     assert ArkVale(budget=128 * 32, page_topks=32).topk_of(128) == 32 - 2 - 1  # the scripts' own 128 pages
 
 
-def test_a_fractional_budget_it_cannot_take_is_a_config_error_that_says_so(tmp_path):
+def test_a_fractional_budget_resolves_to_whole_pages(tmp_path):
+    """GSM8K's ``budget=0.1`` of a 3,418-token prompt: 341 tokens, read as 10 whole 32-token pages (320) for
+    ArkVale and as 336 (a multiple of 16, PQCache's rounding) for a method without fixed pages; a prompt whose
+    fraction leaves too few pages is refused with the reason."""
     from evals import harness
 
     cfg = {"model": {"name": "tiny-llama", "path": None, "dtype": "float32", "max_length": 4096},
            "cache": {"name": "arkvale"}, "eval": {"name": "passkey", "lengths": [160], "depths": 1},
            "budget": 0.1, "limit": None, "seed": 0, "results_dir": str(tmp_path / "results"), "data_dir": None,
            "device": "cpu", "debug": False, "progress": False}
-    with pytest.raises(BudgetError, match=r"not a valid page budget.*is a fraction of each prompt"):
-        harness.plan(cfg)
-    harness.plan(dict(cfg, cache={"name": "arkvale", "page_size": 8}))  # takes every multiple of 16 >= 64
+    plan = harness.plan(cfg)
+    assert plan.method(3418).budget == 320 and plan.method(3418).page_budget == 10
+    assert harness.plan(dict(cfg, cache={"name": "arkvale", "page_size": 8})).method(3418).budget == 336
+    assert harness.plan(dict(cfg, cache={"name": "pqcache"})).method(3418).budget == 336
+    with pytest.raises(BudgetError, match="not a valid page budget"):
+        plan.method(2000)  # 200 tokens: 6 pages, fewer than the 8 that leave one scored page
 
 
 def test_dense_layers_keep_everything():

@@ -122,13 +122,13 @@ def resolved_method(cfg: dict) -> dict | None:
     resolved for a :data:`PLAN_PROMPT_TOKENS`-token prompt, as the harness checks it), or None when the group
     cannot build one (a config the harness refuses; it is then identified by its settings as given)."""
     from ..task import resolve_budget
-    from ..registry import make_method
+    from ..registry import budget_multiple, make_method
 
     options = dict(cfg["cache"])
     name = options.pop("name", None)
     try:
-        method = make_method(name, budget=resolve_budget(cfg.get("budget"), PLAN_PROMPT_TOKENS),
-                             debug=bool(cfg.get("debug")), **options)
+        budget = resolve_budget(cfg.get("budget"), PLAN_PROMPT_TOKENS, budget_multiple(name, options))
+        method = make_method(name, budget=budget, debug=bool(cfg.get("debug")), **options)
     except (TypeError, ValueError, ImportError):
         return None
     return method_record(method, name)
