@@ -270,7 +270,7 @@ def prediction_key(row: dict) -> tuple[str, int | None]:
 
 
 def run_predictions(row: dict) -> list[dict]:
-    """A row's ``predictions.jsonl`` rows: all of them, or for a view of :func:`evals.output.summary.first_n_views` its first
+    """A row's ``predictions.jsonl`` rows: all of them, or for a view of :func:`evals.output.pairing.first_n_views` its first
     ``first_n``."""
     return load_predictions(Path(row["run_dir"]) / "predictions.jsonl")[:row.get("first_n")]
 

@@ -187,7 +187,7 @@ def short_commits(value) -> list[str]:
 
 
 def first_n(row: pd.Series) -> int | None:
-    """The samples a view of a longer run holds (:func:`evals.output.summary.first_n_views`), None for a run."""
+    """The samples a view of a longer run holds (:func:`evals.output.pairing.first_n_views`), None for a run."""
     value = row.get("first_n")
     return None if value is None or pd.isna(value) else int(value)
 
@@ -246,7 +246,7 @@ COUNT_COLUMNS = ("stat/search_nodes_expanded",)
 def render(results_dir: str | Path, draws: int = 2000, limited: bool = False) -> str:
     """The tables of every complete run under ``results_dir``; ``limited`` adds the finished runs of a ``limit``
     (the first ``limit`` samples of a suite, ``partial (limit=N)`` in the summary), each in a cell of its limit,
-    and to the cell of each smaller limit the view of its first samples (:func:`evals.output.summary.first_n_views`),
+    and to the cell of each smaller limit the view of its first samples (:func:`evals.output.pairing.first_n_views`),
     so that every method of a suite stands on the same samples there."""
     frame = collect(results_dir, draws, views=limited)
     if frame.empty:
