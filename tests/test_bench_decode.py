@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from evals.bench import decode, floor
+from evals.bench import decode, decode_report, floor
 from evals.bench.method_options import OptionError, parse_spec, plan, typed_options
 from evals.registry import METHODS
 from helpers import DATA_DIR, build_tiny
@@ -60,7 +60,7 @@ def test_defaults_cover_every_method_in_fresh_processes():
 
 
 def _row(tpot, **phases):
-    return {decode.TPOT: tpot, "tt2t_s": 1.0, "breakdown": {p: phases.get(p, 0.0) for p in decode.BREAKDOWN}}
+    return {decode.TPOT: tpot, "tt2t_s": 1.0, "breakdown": {p: phases.get(p, 0.0) for p in decode_report.BREAKDOWN}}
 
 
 def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
@@ -69,7 +69,7 @@ def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
                "icecache": {"4096": _row(0.020, select=0.005), "32768": _row(0.022, select=0.006)},
                "pqcache": {"4096": {"error": "exit 1: boom"}},
                "environment": {}}
-    table = decode.summary(results, 4096, 32768)
+    table = decode_report.summary(results, 4096, 32768)
     full = table["full"]["growth"]
     assert (full["from"], full["to"]) == (4096, 32768)
     assert full["growth_s"] == pytest.approx(0.028) and full["growth_x"] == pytest.approx(40 / 12)
@@ -77,7 +77,7 @@ def test_growth_is_tpot_and_phase_difference_between_the_range_ends(capsys):
     assert full["phase_growth_s"]["other"] == pytest.approx(0.005)
     assert table["icecache"]["growth"]["phase_growth_s"]["select"] == pytest.approx(0.001)
     assert "pqcache" not in table  # failed cells are left out of the summary
-    decode.print_summary(results, 4096, 32768)
+    decode_report.print_summary(results, 4096, 32768)
     printed = capsys.readouterr().out
     assert "+28.00  3.33x" in printed and "growth from 4096 to 32768" in printed
 
@@ -212,3 +212,16 @@ def test_equal_dense_rows_run_beside_the_default_ones_and_resume_checks_the_opti
     with pytest.raises(SystemExit, match=r"'arkvale\[page_size=8\]' ran .*n_dense_layers.*2"):
         bench(out, "--methods", "full", "arkvale:page_size=8", "--suite", "none", "--in-process", "--resume",
               budget=64)
+
+
+def test_prefill_cache_replays_one_capture_per_length_and_resume_keeps_the_prefill_mode(tmp_path):
+    store, out = tmp_path / "prefills", tmp_path / "bench.json"
+    first = bench(out, "--methods", "full", "icecache", "--in-process", "--prefill-cache", str(store),
+                  budget=64, length=200)
+    assert len(list(store.glob("*.safetensors"))) == 1  # captured once, replayed into both methods
+    assert first["environment"]["prefill"] == "replayed"
+    assert {first[m]["200"]["prefill"] for m in ("full", "icecache")} == {"replayed"}
+    live = bench(tmp_path / "live.json", "--methods", "full", "--in-process", budget=64, length=200)
+    assert live["full"]["200"]["prefill"] == "live" and live["environment"]["prefill"] == "live"
+    with pytest.raises(SystemExit, match="prefill=replayed"):  # a live run may not extend a replayed file
+        bench(out, "--methods", "full", "--in-process", "--resume", budget=64, length=200)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from evals.bench import decode, floor
+from evals.bench import decode, decode_report, floor
 from evals.output import latency_figure
 from evals.output.plot_style import dodge_factors
 from evals.registry import make_method
@@ -14,7 +14,7 @@ from helpers import DATA_DIR, build_tiny
 
 def _row(tpot, n_dense, exact_s, n_layers=30, **phases):
     return {decode.TPOT: tpot, "tt2t_s": 1.0, "n_layers": n_layers, "n_dense_layers": n_dense,
-            "exact_attention_s": exact_s, "breakdown": {p: phases.get(p, 0.0) for p in decode.BREAKDOWN}}
+            "exact_attention_s": exact_s, "breakdown": {p: phases.get(p, 0.0) for p in decode_report.BREAKDOWN}}
 
 
 def test_floor_is_fulls_other_plus_its_dense_attention_share_plus_exact_attention_in_budgeted_layers():
@@ -31,7 +31,7 @@ def test_floor_is_fulls_other_plus_its_dense_attention_share_plus_exact_attentio
     assert full["floor_s"] == pytest.approx(0.0244 + 0.0885)  # full: every layer dense, its own other + attention
     assert full["tpot_over_floor"] == pytest.approx(0.1134 / 0.1129)
     assert results["icecache"]["4096"]["floor_s"] is None  # full failed at that length: no floor
-    table = decode.summary(results, 4096, 32768)
+    table = decode_report.summary(results, 4096, 32768)
     assert table["icecache"]["floor_s"]["32768"] == pytest.approx(expected)
     assert table["icecache"]["tpot_over_floor"]["4096"] is None
 

@@ -32,3 +32,25 @@ def test_a_decode_cell_is_read_against_full_at_its_length():
     row = next(line for line in decode_markdown(data).splitlines() if line.startswith("| icecache | 4k"))
     assert "| 40.0 | 1.0 |" in row and "| 0.80 | 1.50 |" in row
     assert "Failed cells: icecache at 8192." in decode_markdown(data)
+
+
+def test_a_replayed_cell_shows_no_tt2t_and_the_row_sets_sit_side_by_side():
+    from evals.output.row_tables import decode_markdown
+
+    def cell(tpot, dense, prefill="replayed"):
+        return {"tt2t_s": 1.0, "tpot_p50_s": tpot, "breakdown": {"other": 0.02}, "prefill": prefill,
+                "n_dense_layers": dense}
+    configurations = {
+        "row_sets": {"default": {"cells": {"full": "full", "arkvale": "arkvale", "omnikv": "omnikv"}},
+                     "dense=0": {"cells": {"full": "full", "arkvale": "arkvale[dense=0]"},
+                                 "not_equalised": {"omnikv": "its dense layers are its layer roles"}}},
+        "tpot_over_full": {"default": {"arkvale": {"4096": 0.8}, "omnikv": {"4096": 0.9}},
+                           "dense=0": {"arkvale": {"4096": 0.5}}}}
+    data = {"full": {"4096": cell(0.1, 24)}, "arkvale": {"4096": cell(0.08, 2)},
+            "arkvale[dense=0]": {"4096": cell(0.05, 0)}, "omnikv": {"4096": cell(0.09, 5)},
+            "configurations": configurations, "environment": {}, "summary": {}}
+    text = decode_markdown(data)
+    assert text.splitlines()[2].startswith("| full | 4k |  | 100.0 |")  # no TT2T over a replayed prefill
+    assert "| arkvale | dense=0 | `arkvale[dense=0]` | 0 | 0.50 |" in text
+    assert "| arkvale | default | `arkvale` | 2 | 0.80 |" in text
+    assert "| omnikv | dense=0 | cannot be put on these terms: its dense layers are its layer roles |" in text

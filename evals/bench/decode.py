@@ -25,6 +25,12 @@ with the context; ``other`` = step time outside the cache's phases: MLPs, projec
 ``commit``, ``dirty`` and ``method_config``, every init field of the method as constructed, presets resolved), as
 cells of one file may come from several commits (``--resume``); ``environment`` names the writing process's.
 
+``--prefill-cache DIR`` replays each length's exact prefill (:mod:`evals.prefill_cache`; the first cell of a length
+captures it) instead of running the prompt's forward pass in every cell: TPOT and its phases are what a live prefill
+gives (the method ingests the same K/V), while TTFT and TT2T keep only the method's ingest (index build, k-means,
+hashing), so their tables leave them out (``environment.prefill``: ``replayed``). It makes 32k-token cells of
+several methods and repeats affordable on a CPU.
+
 Every (method, length) cell runs in a fresh process by default (``--in-process`` to share one), so no
 cell inherits another's allocator state, threads or caches (the numba kernels are compiled once before the
 first cell, :func:`warm_jit`, so no cell's TT2T includes a compilation; and each cell first runs one untimed
@@ -86,19 +92,18 @@ from evals.harness import REPO_ROOT
 from evals.tasks.latency import FILLER, Latency
 from evals.registry import METHODS, SUITES, make_method
 from evals.output.results import git_state, row_provenance
+from evals.prefill_cache import PrefillStore
+from evals.config import check_writable_dir
 from evals.runner import generate
 from evals.output.timing import environment, omp_wait_record, tpot_stats
 from evals.models import load_model, load_tokenizer, resolve_dtype, tiny_config
 from icecache.hardware import cpu_info
-from icecache.kv.timing import PHASES
-
-TPOT = "tpot_p50_s"  # the statistic of the printed table and the summary: the median per-token interval
+from evals.bench.decode_report import (NOT_CELLS, TPOT, print_cell, print_floors, print_ratios, print_summary,
+                                       summary)
 
 JIT_METHODS = ("icecache", "icecache_tuned", "icecache_reuse", "icecache_reuse_rerank", "magicpig",
                "magicpig_calibrated")  # numba kernels (icecache/dci, icecache/resident.py, magicpig buckets)
 OPTIONAL_METHODS = ("kvpress",)  # need an optional extra (docs/kvpress.md): benchmarked when named
-BREAKDOWN = (*PHASES, "other")
-NOT_CELLS = ("environment", "summary", "configurations")  # the keys of bench_decode.json that are not cells
 OMP_WAIT = {"spin": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin; what each rule puts in a cell's environment
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle threads sleep at once
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}  # idle threads never sleep
@@ -115,17 +120,20 @@ def as_cell(method: str | Cell) -> Cell:
 
 
 def measure(model, tokenizer, method: str | Cell, budget: int, prompt_ids: list[int], new_tokens: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, prefilled: PrefillStore | None = None) -> dict:
     """One timed generation of ``method``: its timings, what its floor needs (:func:`evals.bench.floor.floor_inputs`),
     its KV memory by place (``device_kv_bytes``, of which
     ``transit_bytes``, ``host_kv_bytes``, ``index_bytes``: :meth:`icecache.kv.KVCache.memory_bytes`, the same on a CPU
-    and a GPU), and the commit and resolved configuration it ran."""
+    and a GPU), and the commit and resolved configuration it ran. With ``prefilled`` (``--prefill-cache``) the
+    prompt's exact prefill is replayed (``prefill``: ``replayed``): TTFT and TT2T then leave out the prefill's
+    forward pass and keep the method's ingest of the prompt's K/V (its index build, its k-means); TPOT is unchanged."""
     cell = as_cell(method)
     built = cell.build(budget)
-    gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile)
+    gen = generate(model, tokenizer, built, prompt_ids, new_tokens, ignore_eos=True, profile=profile,
+                   prefilled=prefilled)
     n = len(gen.intervals_s)
     measured = floor.floor_inputs(model, built, budget)  # after the timed generation, never inside it
-    return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, **tpot_stats(gen.intervals_s),
+    return {"tt2t_s": gen.tt2t_s, "ttft_s": gen.ttft_s, "prefill": gen.prefill, **tpot_stats(gen.intervals_s),
             "breakdown": {p: s / n for p, s in gen.breakdown_s.items()},
             "breakdown_sum_over_tpot": sum(gen.breakdown_s.values()) / sum(gen.intervals_s),
             "peak_memory_bytes": gen.peak_memory_bytes, **gen.memory, **row_provenance(built, cell.method), **measured}
@@ -162,6 +170,9 @@ def parse_args(argv):
                         help="measure every cell in this process (default: one fresh process per cell)")
     parser.add_argument("--isolate", dest="isolate", action="store_true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out")
+    parser.add_argument("--prefill-cache", default=None, metavar="DIR",
+                        help="replay each length's exact prefill from DIR (captured by the first cell that needs it): "
+                             "TPOT as measured live, TTFT/TT2T without the prefill's forward pass")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measure every cell this many times, in rounds; report the medians")
     parser.add_argument("--omp-wait", choices=tuple(OMP_WAIT), default="spin",
@@ -175,6 +186,15 @@ def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
+
+
+def prefill_store(args) -> PrefillStore | None:
+    """The store of ``--prefill-cache`` (None without it), keyed by the model's name as a run's is."""
+    if not args.prefill_cache:
+        return None
+    path = Path(args.prefill_cache).expanduser()
+    check_writable_dir(path, "--prefill-cache")
+    return PrefillStore(path, model_id=args.model)
 
 
 def latency_suite(tokenizer, args, lengths) -> Latency:
@@ -219,7 +239,7 @@ def run_cell(args) -> None:
     model, tokenizer = load(args)
     prompt_ids = prompts(tokenizer, args, [length])[length]
     warmup_tokens = warm_cell(model, tokenizer, method, args.budget, prompt_ids)
-    row = measure(model, tokenizer, method, args.budget, prompt_ids, args.new_tokens, args.profile)
+    row = measure(model, tokenizer, method, args.budget, prompt_ids, args.new_tokens, args.profile, prefill_store(args))
     row["warmup_prompt_tokens"] = warmup_tokens
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row["omp_wait"] = omp_wait_record()
@@ -232,7 +252,8 @@ def isolated_cell(args, cell: Cell, length: int) -> dict:
            cell.to_json(), "--budget", str(args.budget),
            "--new-tokens", str(args.new_tokens), "--model", args.model, "--device", args.device,
            "--data-dir", args.data_dir, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads
-                                                                  else []) + (["--profile"] if args.profile else [])
+                                                                  else []) + (["--profile"] if args.profile else []) + (
+        ["--prefill-cache", args.prefill_cache] if args.prefill_cache else [])
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **OMP_WAIT[args.omp_wait]})
     if out.returncode != 0:
@@ -251,9 +272,12 @@ def previous_results(args) -> dict:
     old = {m: {L: r for L, r in rows.items() if "error" not in r} if m not in NOT_CELLS else rows
            for m, rows in old.items()}  # failed cells are measured again
     env = old.get("environment", {})
-    if (env.get("model"), env.get("budget"), env.get("new_tokens")) != (args.model, args.budget, args.new_tokens):
+    prefill = "replayed" if args.prefill_cache else "live"
+    if (env.get("model"), env.get("budget"), env.get("new_tokens"), env.get("prefill", "live")) != (
+            args.model, args.budget, args.new_tokens, prefill):
         raise SystemExit(f"--resume: {path} holds model={env.get('model')} budget={env.get('budget')} "
-                         f"new_tokens={env.get('new_tokens')}; pass the same settings or another --out")
+                         f"new_tokens={env.get('new_tokens')} prefill={env.get('prefill', 'live')}; pass the same "
+                         "settings (--prefill-cache for replayed prefills) or another --out")
     conflicts = resume_conflicts(old, args.configurations)
     if conflicts:
         raise SystemExit(f"--resume: in {path} " + "; ".join(conflicts) + "; pass the same --suite and options "
@@ -289,6 +313,7 @@ def main(argv=None) -> None:
     old_cells = results.pop("configurations", {}).get("cells", {})
     args.configurations = {**args.configurations, "cells": {**old_cells, **args.configurations["cells"]}}
     model = tokenizer = ids_by_length = None
+    store = prefill_store(args)
     if not args.isolate:
         model, tokenizer = load(args)
         ids_by_length = prompts(tokenizer, args, args.lengths)
@@ -305,7 +330,7 @@ def main(argv=None) -> None:
                     environment_row = row.pop("environment", environment_row)
                 else:
                     row = measure(model, tokenizer, method, args.budget, ids_by_length[length], args.new_tokens,
-                                  args.profile)
+                                  args.profile, store)
                 results.setdefault(method.label, {})[str(length)] = median_row(runs + [row])
                 floor.annotate(results, TPOT)
                 print_cell(method.label, length, row, results[method.label][str(length)].get("floor_s"))
@@ -338,84 +363,11 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def print_cell(method: str, length: int, row: dict, floor_s: float | None = None) -> None:
-    """One measured repeat of a cell, with its cell's floor (:mod:`evals.bench.floor`) once full's row at that
-    length is known."""
-    if "error" in row:
-        print(f"{method:>15} {length:>6}: FAILED {row['error'].strip().splitlines()[-1]}", flush=True)
-        return
-    rss = f"  peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB" if "peak_rss_bytes" in row else ""
-    print(f"{method:>15} {length:>6}: TT2T {row['tt2t_s']:.3f} s  TPOT {1000 * row[TPOT]:.2f} ms  " +
-          " ".join(f"{p} {1000 * v:.2f}" for p, v in row["breakdown"].items()) + rss +
-          (f"  omp {row['omp_wait']}" if "omp_wait" in row else "") +
-          (f"  floor {1000 * floor_s:.2f} ms ({row[TPOT] / floor_s:.2f}x)" if floor_s and row[TPOT] else ""), flush=True)
-
-
-def method_rows(results: dict) -> dict:
-    """``{method: {length: row}}`` of the measured cells (no summary, environment or failed cells)."""
-    return {m: {L: r for L, r in rows.items() if "error" not in r} for m, rows in results.items()
-            if m not in NOT_CELLS}
-
-
-def growth(rows: dict, lo: int, hi: int) -> dict | None:
-    """TPOT growth of one method from ``lo`` to ``hi`` tokens (the nearest measured lengths inside the
-    range when those are missing): total and per phase, in seconds, and the TPOT ratio."""
-    lengths = sorted(int(L) for L in rows)
-    inside = [L for L in lengths if lo <= L <= hi] or lengths
-    if len(inside) < 2:
-        return None
-    a, b = rows[str(inside[0])], rows[str(inside[-1])]
-    return {"from": inside[0], "to": inside[-1], "growth_s": b[TPOT] - a[TPOT],
-            "growth_x": b[TPOT] / a[TPOT],
-            "phase_growth_s": {p: b["breakdown"].get(p, 0.0) - a["breakdown"].get(p, 0.0) for p in BREAKDOWN}}
-
-
-def summary(results: dict, lo: int, hi: int) -> dict:
-    """Per method: TPOT by length and its growth from ``lo`` to ``hi`` (see :func:`growth`), and its floor and
-    TPOT over the floor by length (:func:`evals.bench.floor.annotate`; None where unknown)."""
-    return {m: {TPOT: {L: r[TPOT] for L, r in rows.items()}, "growth": growth(rows, lo, hi),
-                **{key: {L: r.get(key) for L, r in rows.items()} for key in ("floor_s", "tpot_over_floor")}}
-            for m, rows in method_rows(results).items() if rows}
-
-
-def print_summary(results: dict, lo: int, hi: int) -> None:
-    table = summary(results, lo, hi)
-    lengths = sorted({int(L) for t in table.values() for L in t[TPOT]})
-    if not lengths:
-        return
-    print("\nTPOT (ms) by context length; growth = TPOT(to) - TPOT(from), ms and x, and its phases (ms):")
-    print(f"{'method':>15} " + " ".join(f"{L:>8}" for L in lengths) + f" {'growth':>16}  " +
-          " ".join(f"{p:>9}" for p in BREAKDOWN))
-    for method, t in table.items():
-        cells = " ".join(f"{1000 * t[TPOT][str(L)]:8.2f}" if str(L) in t[TPOT] else f"{'-':>8}"
-                         for L in lengths)
-        g = t["growth"]
-        grown = (f"{1000 * g['growth_s']:+8.2f} {g['growth_x']:5.2f}x  " +
-                 " ".join(f"{1000 * g['phase_growth_s'][p]:+9.2f}" for p in BREAKDOWN)) if g else f"{'-':>16}"
-        print(f"{method:>15} {cells} {grown}")
-    if table and any(t["growth"] for t in table.values()):
-        g = next(t["growth"] for t in table.values() if t["growth"])
-        print(f"(growth from {g['from']} to {g['to']} tokens)")
-
-
-def print_floors(results: dict) -> None:
-    """Per method and length: the floor (ms) and TPOT over it; ``-`` where the floor is unknown."""
-    rows = method_rows(results)
-    lengths = sorted({int(L) for r in rows.values() for L in r})
-    if not any(r.get("floor_s") for cells in rows.values() for r in cells.values()):
-        return
-    print("\nfloor ms (TPOT / floor) by context length:")
-    print(f"{'method':>15} " + " ".join(f"{L:>16}" for L in lengths))
-    for method, cells in rows.items():
-        text = [f"{1000 * r['floor_s']:7.2f} ({r['tpot_over_floor']:5.2f}x)" if (r := cells.get(str(L), {})).get(
-            "tpot_over_floor") else f"{'-':>16}" for L in lengths]
-        print(f"{method:>15} " + " ".join(text))
-
-
 def write(args, results: dict, environment_row: dict) -> None:
     env = {**environment_row, **git_state(), "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
            "prompt_text": args.prompt_text, "repeats": args.repeats,
-           "isolate": args.isolate, "profile": args.profile, "cpu_model": cpu_info()[0],
+           "isolate": args.isolate, "profile": args.profile, "prefill": "replayed" if args.prefill_cache else "live",
+           "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")
     body = {m: rows for m, rows in results.items() if m not in NOT_CELLS}  # failed cells too
@@ -423,20 +375,6 @@ def write(args, results: dict, environment_row: dict) -> None:
     body["configurations"] = {**args.configurations, "tpot_over_full": tpot_over_full(results, args.configurations, TPOT)}
     tmp.write_text(json.dumps({**body, "environment": env}, indent=2) + "\n")
     tmp.replace(args.out)
-
-
-def print_ratios(results: dict) -> None:
-    results = method_rows(results)
-    if "full" not in results:
-        return
-    print("\nratio to full (TT2T / TPOT):")
-    for method, rows in results.items():
-        if method == "full":
-            continue
-        full = results["full"]
-        cells = [f"{L}: {r['tt2t_s'] / full[L]['tt2t_s']:.2f} / {r[TPOT] / full[L][TPOT]:.2f}"
-                 for L, r in rows.items() if L in full]
-        print(f"{method:>15}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -186,11 +186,12 @@ def decode_markdown(data: dict) -> str:
             if (r := rows.get(n)) is None:
                 continue
             ref = full.get(n)
-            body.append([method, context(n), _num(r["tt2t_s"]), _num(1000 * r[TPOT]),
+            live = r.get("prefill", "live") == "live"  # a replayed prefill's TT2T leaves out the forward pass
+            body.append([method, context(n), _num(r["tt2t_s"]) if live else None, _num(1000 * r[TPOT]),
                          *[_num(1000 * r["breakdown"].get(p, 0.0)) for p in BREAKDOWN],
                          _num(1000 * r["floor_s"]) if r.get("floor_s") else None, _num(r.get("tpot_over_floor"), 2),
                          _num(r[TPOT] / ref[TPOT], 2) if ref else None,
-                         _num(r["tt2t_s"] / ref["tt2t_s"], 2) if ref else None,
+                         _num(r["tt2t_s"] / ref["tt2t_s"], 2) if ref and live else None,
                          _num(r["device_kv_bytes"] / 2**20) if r.get("device_kv_bytes") else None,
                          _num(r["peak_rss_bytes"] / 2**30, 2) if r.get("peak_rss_bytes") else None,
                          len(r.get("runs", [r]))])
@@ -207,9 +208,35 @@ def decode_markdown(data: dict) -> str:
     if growth:
         text += ("\nTPOT growth with the context (ms per output token; phases as above):\n\n" +
                  markdown(["method", "context", "TPOT from", "TPOT to", "growth", "growth x", *BREAKDOWN], growth))
+    if len((data.get("configurations") or {}).get("row_sets", {})) > 1:
+        text += ("\nTPOT / full by row set (`default`: each method's official setting; `dense=N`: every method with "
+                 "exactly its first N layers dense):\n\n" + row_sets_markdown(data))
     if failed:
         text += "\nFailed cells: " + ", ".join(failed) + ".\n"
     return text
+
+
+def row_sets_markdown(data: dict) -> str:
+    """The equal-dense row sets of a decode-benchmark JSON (``--equal-dense``) as one row per method and set: its
+    label, its dense layers (the rows' ``n_dense_layers``) and its median TPOT over full's at each length
+    (``configurations.tpot_over_full``); a method already on a set's terms shows its default row there, and one
+    that cannot be put on them says why."""
+    configurations = data["configurations"]
+    ratios = configurations["tpot_over_full"]
+    lengths = sorted({int(L) for table in ratios.values() for cells in table.values() for L in cells})
+    body = []
+    for base in [b for b in configurations["row_sets"]["default"]["cells"] if b != "full"]:
+        for name, row_set in configurations["row_sets"].items():
+            label = row_set["cells"].get(base)
+            if label is None:
+                why = row_set.get("not_equalised", {}).get(base, "not measured")
+                body.append([base, name, f"cannot be put on these terms: {why}", None, *[None] * len(lengths)])
+                continue
+            dense = sorted({r.get("n_dense_layers") for r in data.get(label, {}).values() if "error" not in r} - {None})
+            shown = label + (" (its default row)" if name != "default" and label == base else "")
+            body.append([base, name, f"`{shown}`", "/".join(map(str, dense)) or None,
+                         *[_num(ratios[name].get(base, {}).get(str(L)), 2) for L in lengths]])
+    return markdown(["method", "row set", "row", "dense layers", *[context(L) for L in lengths]], body)
 
 
 def search_bound_markdown(data: dict) -> str:
