@@ -266,7 +266,7 @@ def for_job(cfg: dict, environ=os.environ) -> str | None:
         raise ConfigError(f"omp_wait={omp_wait}, but this process's OpenMP waiting is {base.omp_wait}: libgomp reads "
                           "it when the process starts, so a sweep runs one omp_wait (one sweep per value)")
     if base.threads is not None:
-        _set_threads(base.threads)
+        set_threads(base.threads)
     _job = base
     return describe(base) if base.adapted else None
 
@@ -281,7 +281,9 @@ def _late_choice(threads, environ) -> Choice:
     return Choice(choice.threads, wait, choice.threads_by, "environment", choice.load)
 
 
-def _set_threads(n: int) -> None:
+def set_threads(n: int) -> None:
+    """``n`` threads for torch's pool and numba's (IceCache's search, MagicPIG's buckets), within numba's launch
+    count."""
     import numba
     import torch
 

@@ -26,6 +26,7 @@ def test_isolated_cells_record_peak_rss_and_resume_skips_finished_cells(tmp_path
     assert row["peak_rss_bytes"] > 50 * 2**20 and row["tpot_s"] > 0 and row["tt2t_s"] >= row["ttft_s"]
     assert set(row["breakdown"]) == {"select", "transfer", "attention", "update", "other"}
     assert first["environment"]["isolate"] and first["environment"]["threads"] == 1
+    assert row["numba_threads"] == 1  # numba's pool too: a wider one stalls its loops on the cores given
     assert first["environment"]["prompt_text"].endswith("PaulGrahamEssays.json")  # the essays, not the filler
     assert row["omp_wait"] == "spin 300000"  # libgomp's default spin, set explicitly in the cell
     assert row["warmup_prompt_tokens"] == 96  # min(length, 4 x budget): one untimed generation came first

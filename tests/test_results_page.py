@@ -2,12 +2,29 @@
 number: a table edited by hand, or rows changed without regenerating the page, fail here."""
 from __future__ import annotations
 
+import pytest
+
 from evals.output import results_page
 
 
 def test_the_results_page_is_generated_from_the_committed_rows():
     assert results_page.PAGE.read_text() == results_page.page(), (
         "docs/results.md differs from the committed rows: run python -m evals.output.results_page")
+    for path, text in results_page.mirrored().items():
+        assert path.read_text() == text, f"{path} differs from the committed rows: run python -m evals.output.results_page"
+
+
+def test_a_mirrored_section_is_written_between_its_markers_and_a_doc_without_them_is_refused(tmp_path, monkeypatch):
+    section = results_page.Rows("Latency", ("bench/none.json",), "About it.", kind="decode", mirror="doc.md")
+    monkeypatch.setattr(results_page, "SECTIONS", (section,))
+    begin, end = results_page.markers("Latency")
+    (tmp_path / "doc.md").write_text(f"# Doc\n\n{begin}\nold table\n{end}\n\nmore\n")
+    text = results_page.mirrored(tmp_path, draws=10)[tmp_path / "doc.md"]
+    assert text.startswith(f"# Doc\n\n{begin}\nAbout it.\n") and text.endswith(f"is missing).\n{end}\n\nmore\n")
+    assert "old table" not in text and "## Latency" not in text
+    (tmp_path / "doc.md").write_text("# Doc\n")
+    with pytest.raises(SystemExit, match="no place for the section 'Latency'"):
+        results_page.mirrored(tmp_path, draws=10)
 
 
 def test_a_section_without_rows_says_so(tmp_path):

@@ -116,7 +116,7 @@ def test_startup_exports_a_busy_choice_but_never_overwrites_the_environment(tmp_
 
 def test_each_job_applies_its_threads_and_refuses_another_wait(tmp_path, monkeypatch):
     applied = []
-    monkeypatch.setattr(threads, "_set_threads", applied.append)
+    monkeypatch.setattr(threads, "set_threads", applied.append)
     threads.at_startup([], CONF, environ={}, loadavg=loadavg(tmp_path, 4))
     assert threads.for_job({"threads": "auto", "omp_wait": "auto"}, environ={}).startswith("threads: 1 per pool")
     assert threads.for_job({"threads": 2, "omp_wait": "passive"}, environ={}).startswith(

@@ -84,6 +84,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import torch
 
 from evals.bench import floor
@@ -95,6 +96,7 @@ from evals.output.results import git_state, row_provenance
 from evals.prefill_cache import PrefillStore
 from evals.config import check_writable_dir
 from evals.runner import generate
+from evals.threads import set_threads
 from evals.output.timing import environment, omp_wait_record, tpot_stats
 from evals.models import load_model, load_tokenizer, resolve_dtype, tiny_config
 from icecache.hardware import cpu_info
@@ -183,8 +185,8 @@ def parse_args(argv):
 
 
 def load(args):
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads:  # torch's pool and numba's: a numba pool wider than the cores given stalls its parallel loops
+        set_threads(args.threads)
     return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
 
 
@@ -243,6 +245,7 @@ def run_cell(args) -> None:
     row["warmup_prompt_tokens"] = warmup_tokens
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row["omp_wait"] = omp_wait_record()
+    row["numba_threads"] = numba.get_num_threads()  # the search's pool, set with torch's by --threads
     row["environment"] = {**environment(model), "model": args.model}
     print(json.dumps(row))
 

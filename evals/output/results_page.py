@@ -7,8 +7,10 @@ either one folder of committed run directories under ``reference_results/`` (:cl
 full cache, misses, agreement with the full cache's output), or committed benchmark rows (:class:`Rows`):
 ablation-format JSON lines, a decode-benchmark or a search-bound JSON, printed by :mod:`evals.output.row_tables`.
 Each is headed by what was run, the command that prints its table, the commits the rows were made at and the
-machine, read from the rows (a run's ``timing.json``, a benchmark file's ``environment``). A test regenerates the
-page and fails when the docs differ, so a number on the page is always what the committed rows give.
+machine, read from the rows (a run's ``timing.json``, a benchmark file's ``environment``). A section with a
+``mirror`` is also written into that doc, between its markers (:func:`mirrored`: the equal-terms latency table in
+docs/benchmarks.md). A test regenerates the page and the mirrors and fails when the docs differ, so a number on the
+page is always what the committed rows give.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class Rows:
     kind: str = "ablation"  # ablation (JSON lines) | decode | search_bound (one JSON each)
     aliases: tuple[str, ...] = ()  # evals.bench.ablation --alias [FILE:]OLD=NEW
     misses: bool = False  # list the samples each configuration scored below full
+    mirror: str = ""  # another doc (repository path) that shows this section too, between its markers (mirrored)
 
 
 SECTIONS = (
@@ -204,6 +207,22 @@ SECTIONS = (
              "python -m evals.output.latency_figure reference_results/bench/decode_smollm2_cpu_f6m167.json \\",
              "    -o docs/figures/tpot_vs_context_f6m167.png --floors icecache arkvale   # the figure") +
          "\n\n![TPOT vs context](figures/tpot_vs_context_f6m167.png)", kind="decode"),
+    Rows("Decode latency on equal terms: official settings and equal dense layers (SmolLM2 on a CPU, 4k-32k)",
+         ("bench/decode_equal_smollm2_cpu_f25m17.json",),
+         "Every method at its official LongBench setting (`conf/suite_cache/longbench_<name>.yaml`: ArkVale with the "
+         "official script's 2 dense layers, 1 sink page and `page_topks=32`, PQCache with 32 sinks; the others at "
+         "their class defaults, which are their papers'), and the row sets in which every method keeps exactly its "
+         "first 0 or 2 layers dense (`--equal-dense 0 2`; docs/benchmarks.md, \"Method configurations\"), so that a "
+         "difference in TPOT splits into the method's and its dense layers'. Budget 256, 64 new tokens with EOS "
+         "ignored, a fresh process per cell with one untimed warm-up generation, Paul Graham essays cut to each "
+         "length; each length's exact prefill captured once and replayed into every cell (`--prefill-cache`): TPOT "
+         "and its phases are what a live prefill gives, TT2T would leave out the forward pass and is not shown. "
+         "Three rounds, each running every cell once (medians); one thread, with a single-thread accuracy run on "
+         "the machine's other core throughout, so the ratios are of one run under one load. Rows:" + bash(
+             "python -m evals.bench.decode --methods full icecache arkvale pqcache quest omnikv magicpig \\",
+             "    --equal-dense 0 2 --lengths 4096 8192 16384 32768 --repeats 3 --threads 1 \\",
+             "    --prefill-cache \"$PF\" --data-dir \"$ICECACHE_DATA_DIR\" --out decode.json"),
+         kind="decode", mirror="docs/benchmarks.md"),
     Rows("What bounds IceCache's select: the search against a scan of the keys it scores (SmolLM2)",
          ("bench/search_bound_smollm2_cpu_f6m167_142afe2.json",),
          "Per capture, every budgeted layer's index built as IceCache builds it; the official search (`K` = 12 pages "
@@ -283,7 +302,7 @@ def page(root: Path = ROOT, draws: int = 2000) -> str:
              "`(difference to full [95% paired interval])`, `*` where that interval excludes 0; each table names the "
              "commits of its rows. The accuracy sections report no latency: replayed prefills and shared cores make "
              "their timings meaningless as a comparison of methods (their `min` column, a run's generation time on "
-             "the machine named, under whatever else ran beside it, says what a rerun costs); the last two sections "
+             "the machine named, under whatever else ran beside it, says what a rerun costs); the last three sections "
              "are latency benchmarks (docs/benchmarks.md says how "
              "each benchmark runs and what its columns mean). What the tables say about each method against its "
              "paper: docs/fidelity.md.\n\nSections:\n\n- The paper's claims\n"
@@ -298,18 +317,46 @@ def page(root: Path = ROOT, draws: int = 2000) -> str:
                                                else rows_text(s, root, draws) for s in SECTIONS])
 
 
+def markers(title: str) -> tuple[str, str]:
+    """The lines that enclose a mirrored section in another doc (:func:`mirrored`)."""
+    return (f"<!-- generated by python -m evals.output.results_page from the committed rows: {title} -->",
+            "<!-- end of the generated section -->")
+
+
+def mirrored(root: Path = ROOT, draws: int = 2000) -> dict[Path, str]:
+    """Each doc that mirrors a section (``Rows.mirror``), as it reads with that section's text, generated as on the
+    results page, put between the section's markers (which the doc must already hold: they say where it goes)."""
+    docs: dict[Path, str] = {}
+    for section in SECTIONS:
+        if not getattr(section, "mirror", ""):
+            continue
+        path = root / section.mirror
+        text = docs.get(path) or path.read_text()
+        begin, end = markers(section.title)
+        if begin not in text or end not in text.split(begin, 1)[1]:
+            raise SystemExit(f"{section.mirror} has no place for the section {section.title!r}: put the lines "
+                             f"{begin!r} and {end!r} where it goes")
+        before, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1]
+        body = rows_text(section, root, draws).split("\n", 2)[2]  # without its "## title" heading
+        docs[path] = f"{before}{begin}\n{body.rstrip()}\n{end}{after}"
+    return docs
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with docs/results.md instead of writing it")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with docs/results.md (and the docs that mirror a section) instead of writing")
     args = parser.parse_args(argv)
-    text = page()
+    pages = {PAGE: page(), **mirrored()}
     if args.check:
-        same = PAGE.exists() and PAGE.read_text() == text
-        print("docs/results.md is up to date" if same else
-              "docs/results.md differs from the committed rows: run python -m evals.output.results_page")
-        sys.exit(0 if same else 1)
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+        stale = [p.relative_to(ROOT) for p, text in pages.items() if not (p.exists() and p.read_text() == text)]
+        print("docs/results.md is up to date" if not stale else
+              f"{', '.join(map(str, stale))} differ from the committed rows: run python -m evals.output.results_page")
+        sys.exit(1 if stale else 0)
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
