@@ -30,9 +30,9 @@ from . import prefill_cache
 from .models import (RANDOM_CONFIGS, ModelUnavailableError, load_model, load_tokenizer, model_entry, resolve_path,
                      tiny_config)
 from .output import results, wandb_log
-from .task import DataError, resolve_budget
+from .task import DataError
 from .config import ConfigError, check_config, check_results_dir
-from .registry import budget_multiple, make_method, suite_class
+from .registry import budget_multiple, method_for_prompt, suite_class
 from .runner import generate
 from .output.schema import limit_warning
 from .output.timing import peak_memory_bytes, pool_timing, provenance, run_environment
@@ -72,9 +72,8 @@ class Plan:
     prefill: prefill_cache.PrefillStore | None = None  # prefill_cache=DIR: prompts prefilled once, then replayed
 
     def method(self, n_prompt_tokens: int) -> KVMethod:
-        multiple = budget_multiple(self.method_name, self.method_options)
-        return make_method(self.method_name, budget=resolve_budget(self.cfg.get("budget"), n_prompt_tokens, multiple),
-                           debug=bool(self.cfg.get("debug")), **self.method_options)
+        return method_for_prompt(self.method_name, self.cfg.get("budget"), n_prompt_tokens,
+                                 debug=bool(self.cfg.get("debug")), **self.method_options)
 
 
 def plan(cfg: dict) -> Plan:
@@ -85,7 +84,7 @@ def plan(cfg: dict) -> Plan:
     budget = cfg.get("budget")
     name, options = cache_options(cfg)
     try:  # a bad name, budget or hyperparameter fails here, before any model is loaded
-        make_method(name, budget=resolve_budget(budget, 1 << 20, budget_multiple(name, options)), **options)
+        method_for_prompt(name, budget, 1 << 20, **options)
     except (TypeError, ValueError) as err:
         if isinstance(err, BudgetError) and isinstance(budget, float) and 0 < budget < 1:
             raise BudgetError(f"{err} (checked at a {1 << 20}-token prompt: budget={budget} is a fraction of each "

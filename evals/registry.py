@@ -77,6 +77,15 @@ def budget_multiple(name: str, hyperparameters: dict) -> int:
     return math.lcm(16, size) if isinstance(size, int) and size > 0 else 16
 
 
+def method_for_prompt(name: str, budget, n_prompt_tokens: int, **hyperparameters) -> KVMethod:
+    """``name`` built at ``budget`` as read for a prompt of ``n_prompt_tokens`` tokens: a fraction resolves to whole
+    multiples of :func:`budget_multiple` (:func:`evals.task.resolve_budget`), tokens stay as given."""
+    from .task import resolve_budget
+
+    resolved = resolve_budget(budget, n_prompt_tokens, budget_multiple(name, hyperparameters))
+    return make_method(name, budget=resolved, **hyperparameters)
+
+
 def make_method(name: str, budget: int | None = None, **hyperparameters) -> KVMethod:
     """Builds (and validates) a method from its name, the common budget and its own hyperparameters."""
     cls = method_class(name)

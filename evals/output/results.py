@@ -121,14 +121,12 @@ def resolved_method(cfg: dict) -> dict | None:
     """:func:`method_record` of the method a config's ``cache`` group builds at its budget (a fractional budget
     resolved for a :data:`PLAN_PROMPT_TOKENS`-token prompt, as the harness checks it), or None when the group
     cannot build one (a config the harness refuses; it is then identified by its settings as given)."""
-    from ..task import resolve_budget
-    from ..registry import budget_multiple, make_method
+    from ..registry import method_for_prompt
 
     options = dict(cfg["cache"])
     name = options.pop("name", None)
     try:
-        budget = resolve_budget(cfg.get("budget"), PLAN_PROMPT_TOKENS, budget_multiple(name, options))
-        method = make_method(name, budget=budget, debug=bool(cfg.get("debug")), **options)
+        method = method_for_prompt(name, cfg.get("budget"), PLAN_PROMPT_TOKENS, debug=bool(cfg.get("debug")), **options)
     except (TypeError, ValueError, ImportError):
         return None
     return method_record(method, name)
