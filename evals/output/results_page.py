@@ -115,7 +115,8 @@ SECTIONS = (
                 "python run.py -m $M eval=longgenbench eval.max_new_tokens=512 eval.judge_model=null limit=1 \\",
                 "    budget=256 cache=full   # and every method"),
             limited=True, plan=plan.LONGGENBENCH),
-    Section("The 64-token readings and the two bounds (SmolLM2-135M-Instruct)", "readings",
+    Section("The 64-token readings and the two bounds (SmolLM2-135M-Instruct; Qwen2.5-Coder-0.5B-Instruct at 16k)",
+            "readings",
             "IceCache's four readings of a 64-token budget (docs/fidelity.md, the table under IceCache) beside the "
             "page oracle (`page_oracle`: IceCache's pages, the exact best ones) and the exact top-k (`topk` with "
             "IceCache's two dense layers), at 64, 128 and 256 tokens: IceCache vs `page_oracle` is the search's "
@@ -132,7 +133,11 @@ SECTIONS = (
                 "cache.n_sink_pages=0",
                 "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.page_size=8",
                 "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.budget_layout=retrieved",
-                "# the same six commands with $R \"$T\" in place of $P")),
+                "# the same six commands with $R \"$T\" in place of $P",
+                "# Qwen2.5-Coder-0.5B-Instruct: M with model=qwen2.5-coder-0.5b, the same six commands with",
+                "P16=\"eval=passkey eval.lengths=[16384] seed=0\"   # 10 depths") +
+            "\n\nRULER niah at 16k on Qwen2.5-Coder-0.5B-Instruct has no rows here yet: its 20 prompts need a "
+            "16k-token prefill each, about 4.5 minutes on one core of the machine named below."),
     Section("Passkey at 8k-32k tokens (Qwen2.5-Coder-0.5B-Instruct)", "longctx/passkey",
             "Every method that can replay a prefill, IceCache's prompt layout: 10 depths at 8k (seeds 0 and 1) and "
             "16k, 5 at 32k; ArkVale's 32-token pages need a budget of 256. The 16k runs carry the live attention-mass "
