@@ -48,7 +48,7 @@ Budget mapping: docs/architecture.md.
   scored once from per-tuple token counts (:func:`joint_code_scores`) and a token's score is one lookup of
   its tuple's; otherwise every token's logits are summed from the tables (:func:`lookup_scores`,
   :func:`group_probs`). The first removes the per-token gathers, exponentials and group sums that made
-  PQCache's TPOT grow with the context on CPU (docs/results.md, "Decode benchmark").
+  PQCache's TPOT grow with the context on CPU (docs/results.md, "Decode latency on equal terms").
 * A token leaving the recent window gets its PQ code by nearest centroid (no re-clustering).
 
 Budget ``B`` = ``n_sink`` sinks + ``recent`` window + ``top-k``: the official split (``pq_search.py`` lines

@@ -135,9 +135,12 @@ SECTIONS = (
                 "python run.py -m $M $P cache=icecache,page_oracle budget=64 cache.budget_layout=retrieved",
                 "# the same six commands with $R \"$T\" in place of $P",
                 "# Qwen2.5-Coder-0.5B-Instruct: M with model=qwen2.5-coder-0.5b, the same six commands with",
-                "P16=\"eval=passkey eval.lengths=[16384] seed=0\"   # 10 depths") +
-            "\n\nRULER niah at 16k on Qwen2.5-Coder-0.5B-Instruct has no rows here yet: its 20 prompts need a "
-            "16k-token prefill each, about 4.5 minutes on one core of the machine named below."),
+                "P16=\"eval=passkey eval.lengths=[16384] seed=0\"   # 10 depths",
+                "R16=\"eval=ruler eval.lengths=[16384] eval.num_samples=4 limit=2 seed=0\"   # with \"$T\"") +
+            "\n\nOn Qwen2.5-Coder-0.5B-Instruct RULER niah at 16k ran on the first 2 of the 4 samples per task of "
+            "the section \"RULER needle-in-a-haystack at 16k and 32k tokens\" (`limit=2`: each sample is an "
+            "independent draw, so these are the same prompts), as each needs a 16k-token prefill of about 4.5 minutes "
+            "on one core of the machine named below.", limited=True),
     Section("Passkey at 8k-32k tokens (Qwen2.5-Coder-0.5B-Instruct)", "longctx/passkey",
             "Every method that can replay a prefill, IceCache's prompt layout: 10 depths at 8k (seeds 0 and 1) and "
             "16k, 5 at 32k; ArkVale's 32-token pages need a budget of 256. The 16k runs carry the live attention-mass "
@@ -201,17 +204,6 @@ SECTIONS = (
          "`icecache[<GQA merge>,page=<page size>,sink=<sink tokens>,prop_to_retrieve=1.0]`; 16 samples per task. "
          "The rows with only fwe and qa_1 filled ran those two tasks (their mean and ratio are over those two). "
          + SMOLLM2 + " " + ORIGINAL_LABELS),
-    Rows("Decode benchmark: SmolLM2 on a CPU, 4k-32k tokens", ("bench/decode_smollm2_cpu_f6m167.json",),
-         "Budget 256, 64 new tokens with EOS ignored, a fresh process per cell with one untimed warm-up generation, "
-         "Paul Graham essays cut to each length as the prompt, three repeats per cell (medians); full and IceCache "
-         "also at 4k. Columns: docs/benchmarks.md, \"Columns\" and \"Floor\". Rows:" + bash(
-             "python -m evals.bench.decode --methods full icecache icecache_tuned pqcache arkvale quest omnikv \\",
-             "    magicpig --lengths 8192 16384 32768 --repeats 3 --budget 256 --new-tokens 64 --threads 2 \\",
-             "    --data-dir \"$ICECACHE_DATA_DIR\" --out decode.json",
-             "python -m evals.bench.decode --resume --methods full icecache --lengths 4096 [same options]",
-             "python -m evals.output.latency_figure reference_results/bench/decode_smollm2_cpu_f6m167.json \\",
-             "    -o docs/figures/tpot_vs_context_f6m167.png --floors icecache arkvale   # the figure") +
-         "\n\n![TPOT vs context](figures/tpot_vs_context_f6m167.png)", kind="decode"),
     Rows("Decode latency on equal terms: official settings and equal dense layers (SmolLM2 on a CPU, 4k-32k)",
          ("bench/decode_equal_smollm2_cpu_f25m17.json",),
          "Every method at its official LongBench setting (`conf/suite_cache/longbench_<name>.yaml`: ArkVale with the "
@@ -226,7 +218,10 @@ SECTIONS = (
          "the machine's other core throughout, so the ratios are of one run under one load. Rows:" + bash(
              "python -m evals.bench.decode --methods full icecache arkvale pqcache quest omnikv magicpig \\",
              "    --equal-dense 0 2 --lengths 4096 8192 16384 32768 --repeats 3 --threads 1 \\",
-             "    --prefill-cache \"$PF\" --data-dir \"$ICECACHE_DATA_DIR\" --out decode.json"),
+             "    --prefill-cache \"$PF\" --data-dir \"$ICECACHE_DATA_DIR\" --out decode.json",
+             "python -m evals.output.latency_figure reference_results/bench/decode_equal_smollm2_cpu_f25m17.json \\",
+             "    -o docs/figures/tpot_vs_context_f25m17.png --floors icecache arkvale   # the figure") +
+         "\n\n![TPOT vs context](figures/tpot_vs_context_f25m17.png)",
          kind="decode", mirror="docs/benchmarks.md"),
     Rows("What bounds IceCache's select: the search against a scan of the keys it scores (SmolLM2)",
          ("bench/search_bound_smollm2_cpu_f6m167_142afe2.json",),
@@ -307,7 +302,7 @@ def page(root: Path = ROOT, draws: int = 2000) -> str:
              "`(difference to full [95% paired interval])`, `*` where that interval excludes 0; each table names the "
              "commits of its rows. The accuracy sections report no latency: replayed prefills and shared cores make "
              "their timings meaningless as a comparison of methods (their `min` column, a run's generation time on "
-             "the machine named, under whatever else ran beside it, says what a rerun costs); the last three sections "
+             "the machine named, under whatever else ran beside it, says what a rerun costs); the last two sections "
              "are latency benchmarks (docs/benchmarks.md says how "
              "each benchmark runs and what its columns mean). What the tables say about each method against its "
              "paper: docs/fidelity.md.\n\nSections:\n\n- The paper's claims\n"
