@@ -190,6 +190,11 @@ def load(args):
     return load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
 
 
+def prefill_mode(args) -> str:
+    """How the cells' prompts are prefilled: ``replayed`` with ``--prefill-cache``, else ``live``."""
+    return "replayed" if args.prefill_cache else "live"
+
+
 def prefill_store(args) -> PrefillStore | None:
     """The store of ``--prefill-cache`` (None without it), keyed by the model's name as a run's is."""
     if not args.prefill_cache:
@@ -275,9 +280,8 @@ def previous_results(args) -> dict:
     old = {m: {L: r for L, r in rows.items() if "error" not in r} if m not in NOT_CELLS else rows
            for m, rows in old.items()}  # failed cells are measured again
     env = old.get("environment", {})
-    prefill = "replayed" if args.prefill_cache else "live"
     if (env.get("model"), env.get("budget"), env.get("new_tokens"), env.get("prefill", "live")) != (
-            args.model, args.budget, args.new_tokens, prefill):
+            args.model, args.budget, args.new_tokens, prefill_mode(args)):
         raise SystemExit(f"--resume: {path} holds model={env.get('model')} budget={env.get('budget')} "
                          f"new_tokens={env.get('new_tokens')} prefill={env.get('prefill', 'live')}; pass the same "
                          "settings (--prefill-cache for replayed prefills) or another --out")
@@ -369,7 +373,7 @@ def median_row(runs: list[dict]) -> dict:
 def write(args, results: dict, environment_row: dict) -> None:
     env = {**environment_row, **git_state(), "budget": args.budget, "new_tokens": args.new_tokens, "model": args.model,
            "prompt_text": args.prompt_text, "repeats": args.repeats,
-           "isolate": args.isolate, "profile": args.profile, "prefill": "replayed" if args.prefill_cache else "live",
+           "isolate": args.isolate, "profile": args.profile, "prefill": prefill_mode(args),
            "cpu_model": cpu_info()[0],
            "load_average": os.getloadavg()}
     tmp = Path(args.out).with_suffix(".tmp")

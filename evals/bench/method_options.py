@@ -24,6 +24,7 @@ import yaml
 
 from evals.config import check_method_options, method_defaults
 from evals.harness import REPO_ROOT
+from evals.output.row_tables import dense_layers
 from evals.registry import make_method, method_class
 from evals.task import ConfigError
 from icecache.kv import BudgetError
@@ -286,11 +287,6 @@ def tpot_over_full(results: dict, configurations: dict, key: str) -> dict:
             for name, row_set in configurations["row_sets"].items()}
 
 
-def _dense_count(rows: dict) -> str:
-    counts = {r.get("n_dense_layers") for r in rows.values() if "error" not in r} - {None}
-    return "/".join(map(str, sorted(counts))) or "?"
-
-
 def print_row_sets(results: dict, configurations: dict, key: str) -> None:
     """The row sets side by side: per method its dense layers (as bound: ``n_dense_layers`` of its rows) and its
     TPOT / full at each length, one ``|``-separated entry per row set; ``=`` marks the default row serving a set
@@ -311,7 +307,7 @@ def print_row_sets(results: dict, configurations: dict, key: str) -> None:
             label = row_set["cells"].get(base)
             mark = "=" if name != "default" and label == base else " "
             missing = "x" if base in row_set.get("not_equalised", {}) else "-"
-            dense.append(f"{missing:>4} " if label is None else f"{_dense_count(results.get(label, {})):>4}{mark}")
+            dense.append(f"{missing:>4} " if label is None else f"{dense_layers(results.get(label, {})) or '?':>4}{mark}")
             for L in lengths:
                 ratio = ratios[name].get(base, {}).get(L)
                 cells[L].append(f"{missing:>4} " if label is None else f"{'-' if ratio is None else f'{ratio:.2f}':>4}"

@@ -216,6 +216,12 @@ def decode_markdown(data: dict) -> str:
     return text
 
 
+def dense_layers(cells: dict) -> str:
+    """The dense-layer counts (``n_dense_layers``) of one label's measured cells, ``/``-joined ("" where none)."""
+    counts = {r.get("n_dense_layers") for r in cells.values() if "error" not in r} - {None}
+    return "/".join(map(str, sorted(counts)))
+
+
 def row_sets_markdown(data: dict) -> str:
     """The equal-dense row sets of a decode-benchmark JSON (``--equal-dense``) as one row per method and set: its
     label, its dense layers (the rows' ``n_dense_layers``) and its median TPOT over full's at each length
@@ -232,9 +238,8 @@ def row_sets_markdown(data: dict) -> str:
                 why = row_set.get("not_equalised", {}).get(base, "not measured")
                 body.append([base, name, f"cannot be put on these terms: {why}", None, *[None] * len(lengths)])
                 continue
-            dense = sorted({r.get("n_dense_layers") for r in data.get(label, {}).values() if "error" not in r} - {None})
             shown = label + (" (its default row)" if name != "default" and label == base else "")
-            body.append([base, name, f"`{shown}`", "/".join(map(str, dense)) or None,
+            body.append([base, name, f"`{shown}`", dense_layers(data.get(label, {})) or None,
                          *[_num(ratios[name].get(base, {}).get(str(L)), 2) for L in lengths]])
     return markdown(["method", "row set", "row", "dense layers", *[context(L) for L in lengths]], body)
 
